@@ -1,0 +1,23 @@
+# The two commands of the README. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test setup
+
+$(BIN)/gemmd: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(BIN)/gemmd
+
+# Run the daemon on its defaults (backend auto: CPU when no GPU), state under ./state.
+run: setup
+	$(BIN)/gemmd run --config gemmd.yaml --state-dir ./state
+
+# Lint, then the whole test suite (unit, end-to-end, integration).
+test: setup
+	$(BIN)/ruff check gemmd tests bench
+	$(BIN)/python -m pytest -q

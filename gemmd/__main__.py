@@ -1,0 +1,5 @@
+import sys
+
+from gemmd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,360 @@
+"""Command line: ``gemmd run | probe | status | check-config``.
+
+Every expected failure (bad config, bad argument, missing device, unreadable store) ends in
+one line per problem on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gemmd import __version__
+from gemmd.config import DTYPES, KERNELS, LAYOUTS, Config, ProbeGroup, load
+from gemmd.errors import ConfigError, GemmdError
+
+logger = logging.getLogger("gemmd")
+
+EXIT_CONFIG = 2  # configuration or usage error
+EXIT_RUNTIME = 1  # a device, store or listen failure
+
+
+def _default_config() -> str | None:
+    """$GEMMD_CONFIG, else /etc/gemmd/gemmd.yaml if present, else built-in defaults."""
+    env = os.environ.get("GEMMD_CONFIG")
+    if env:
+        return env
+    return "/etc/gemmd/gemmd.yaml" if Path("/etc/gemmd/gemmd.yaml").is_file() else None
+
+
+def setup_logging(level: str) -> None:
+    # Under systemd, journald stamps time and priority itself.
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr,
+                        force=True)
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+
+
+def _load_config(args: argparse.Namespace) -> Config:
+    cfg = load(args.config)
+    over: dict[str, Any] = {}
+    if getattr(args, "state_dir", None):
+        over["state_dir"] = str(args.state_dir)
+    if getattr(args, "backend", None):
+        over["backend"] = args.backend
+    if over:
+        cfg = dataclasses.replace(cfg, **over)
+    return cfg
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    path = args.file or args.config
+    load(path)
+    print(f"{path or '<built-in defaults>'}: OK")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gemmd.daemon import Daemon
+
+    cfg = _load_config(args)
+    if args.port is not None:
+        cfg = dataclasses.replace(cfg, listen=dataclasses.replace(cfg.listen, port=args.port))
+    setup_logging(args.log_level or cfg.log_level)
+    daemon = Daemon(cfg)
+    signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop(s))
+    signal.signal(signal.SIGINT, lambda s, f: daemon.request_stop(s))
+    try:
+        daemon.start()
+        daemon.run_forever()
+    finally:
+        clean = daemon.stop()
+    if not clean or [t for t in threading.enumerate()
+                     if t is not threading.main_thread() and not t.daemon and t.is_alive()]:
+        # A hung probe thread would keep the interpreter alive forever; the store is
+        # consistent (each result is its own transaction), so leave without waiting.
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+def _probe_overrides(args: argparse.Namespace, cfg: Config) -> Config:
+    if not any([args.shape, args.dtype, args.kernel, args.tile, args.layout]):
+        return cfg
+    base = cfg.probes.sentinels[0] if cfg.probes.sentinels else ProbeGroup()
+    group = ProbeGroup(shapes=tuple(args.shape) or base.shapes,
+                       dtypes=tuple(args.dtype) or base.dtypes,
+                       kernels=tuple(args.kernel) or base.kernels,
+                       tiles=tuple(args.tile) or base.tiles,
+                       layouts=tuple(args.layout) or base.layouts)
+    probes = dataclasses.replace(cfg.probes, sentinels=(group,), exploration=())
+    return dataclasses.replace(cfg, probes=probes)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from gemmd.daemon import state_store
+    from gemmd.devices import open_devices
+    from gemmd.registry import ModelRegistry
+    from gemmd.rounds import DeviceRunner
+    from gemmd.state import State
+    from gemmd.store import Store
+
+    cfg = _probe_overrides(args, _load_config(args))
+    if args.window is not None:
+        measure = dataclasses.replace(cfg.probes.measure, window_s=args.window)
+        cfg = dataclasses.replace(cfg, probes=dataclasses.replace(cfg.probes, measure=measure))
+    # One round runs every planned probe: the duty-cycle budget is for the daemon.
+    cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, duty_cycle=1.0),
+                              schedule=dataclasses.replace(cfg.schedule,
+                                                           skip_when_busy=not args.force))
+    setup_logging(args.log_level or cfg.log_level)
+    tmp = None
+    if args.no_store:
+        tmp = tempfile.TemporaryDirectory(prefix="gemmd-probe-")
+        state_dir, store = Path(tmp.name), Store(Path(tmp.name) / "gemmd.db")
+    else:
+        state_dir, store = state_store(cfg)
+    state = State()
+    registry = ModelRegistry(store, state_dir / "models", cfg.model, state)
+    registry.load_active()
+    devices = open_devices(cfg)
+    rows: list[dict[str, Any]] = []
+    try:
+        for d in devices:
+            store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
+                                dataclasses.asdict(d.info))
+            runner = DeviceRunner(d, cfg, store, state, registry)
+            for r in runner.run_round():
+                rows.append(_result_row(d, r))
+            ds = state.devices[d.info.uuid]
+            for reason, n in ds.skipped_total.items():
+                if n and reason not in ("duty_cycle",):
+                    print(f"GPU {d.info.index}: {n} probe(s) skipped: {reason}", file=sys.stderr)
+    finally:
+        for d in devices:
+            d.close()
+        store.close()
+        if tmp:
+            tmp.cleanup()
+    _print_rows(rows, args.format, registry.current.version)
+    failed = [r for r in rows if r["outcome"] in ("failed", "mismatch")]
+    return EXIT_RUNTIME if failed else 0
+
+
+def _result_row(d, r) -> dict[str, Any]:
+    m, p = r.measurement, r.prediction
+    row: dict[str, Any] = {"gpu": d.info.index, "gpu_model": d.info.name, "kind": r.kind,
+                           **dataclasses.asdict(r.spec), "probe": r.spec.name,
+                           "outcome": r.outcome, "error": r.error}
+    if m is not None:
+        row.update(iterations=m.iterations, window_s=m.window_s, runtime_s=m.runtime_s,
+                   runtime_cv=m.runtime_cv, tflops=m.tflops, power_w=m.power_w,
+                   energy_j=m.energy_j, power_sample_w=m.power_sample_w,
+                   check_ok=m.check_ok, check_error=m.check_error,
+                   sm_clock_hz=(m.context.get("after") or {}).get("sm_clock_hz"),
+                   temperature_c=(m.context.get("after") or {}).get("temperature_c"),
+                   clock_event_reasons="|".join(
+                       (m.context.get("after") or {}).get("clock_event_reasons", [])))
+    if p is not None:
+        row.update(pred_runtime_s=p.runtime_s, pred_runtime_lo=p.runtime_lo,
+                   pred_runtime_hi=p.runtime_hi, pred_power_w=p.power_w,
+                   pred_energy_j=p.energy_j)
+    return row
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    for unit, f in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= f:
+            return f"{s / f:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+def _fmt(v: float | None, spec: str = ".3g", unit: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{unit}"
+
+
+def _print_rows(rows: list[dict[str, Any]], fmt: str, model_version: str) -> None:
+    if fmt == "json":
+        print(json.dumps(rows, indent=1, default=str))
+        return
+    if fmt == "csv":
+        import csv
+
+        cols = sorted({k for r in rows for k in r}, key=lambda c: list(rows[0]).index(c)
+                      if c in rows[0] else 999)
+        w = csv.DictWriter(sys.stdout, fieldnames=cols, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        return
+    head = ("GPU", "PROBE", "KIND", "ITERS", "RUNTIME", "PREDICTED", "RATIO", "TFLOP/S",
+            "POWER", "ENERGY", "OUTCOME")
+    table = [head]
+    for r in rows:
+        rt, pr = r.get("runtime_s"), r.get("pred_runtime_s")
+        table.append((
+            str(r["gpu"]), r["probe"], r["kind"][:4], _fmt(r.get("iterations"), "d"),
+            _fmt_time(rt), _fmt_time(pr), _fmt(rt / pr if rt and pr else None, ".3f"),
+            _fmt(r.get("tflops"), ".3g"), _fmt(r.get("power_w"), ".1f", " W"),
+            _fmt(r.get("energy_j"), ".3g", " J"),
+            r["outcome"] + (f": {r['error']}" if r["error"] else "")))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print(f"predictions: {model_version}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gemmd.store import Store
+
+    cfg = _load_config(args)
+    db = cfg.resolved_state_dir() / "gemmd.db"
+    if not db.is_file():
+        raise GemmdError(f"no store at {db} (has gemmd run there? see state_dir)")
+    store = Store(db)
+    try:
+        devices, counts, latest = store.devices(), store.counts(), store.latest_per_probe()
+        model, models = store.active_model(), store.models()
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps({"store": str(db), "devices": devices, "counts": counts,
+                          "latest": latest, "model": model, "models": len(models)},
+                         indent=1, default=str))
+        return 0
+    now = time.time()
+    print(f"store: {db}")
+    for d in devices:
+        print(f"\nGPU {d['idx']}  {d['name']}  ({d['backend']}, {d['uuid']})  "
+              f"last seen {_age(now - d['last_seen'])} ago")
+        for c in (c for c in counts if c["device_uuid"] == d["uuid"]):
+            print(f"  {c['source']:>8} {c['outcome']:<9} {c['n']:>7} probes, last "
+                  f"{_age(now - c['last'])} ago")
+        rows = [r for r in latest if r["device_uuid"] == d["uuid"]]
+        if rows:
+            print(f"  {'PROBE':<34} {'AGE':>6} {'RUNTIME':>10} {'PREDICTED':>10} {'RATIO':>6} "
+                  f"{'POWER':>8} {'OUTCOME'}")
+        for r in rows:
+            rt, pr = r["runtime_s"], r["pred_runtime_s"]
+            name = f"{r['kernel'] if r['kernel'] == 'blas' else 'tiled' + str(r['tile'])}-" \
+                   f"{r['dtype']}-{r['layout']}-{r['m']}x{r['n']}x{r['k']}"
+            print(f"  {name:<34} {_age(now - r['ts']):>6} {_fmt_time(rt):>10} "
+                  f"{_fmt_time(pr):>10} {_fmt(rt / pr if rt and pr else None, '.3f'):>6} "
+                  f"{_fmt(r['power_w'], '.1f', ' W'):>8} {r['outcome']}")
+    if model:
+        scores = model["meta"].get("scores", {})
+        err = ", ".join(f"{t} {100 * s['oob_mape']:.1f}%" for t, s in scores.items())
+        print(f"\nmodel: rf-{model['version']} fitted {_age(now - model['created'])} ago on "
+              f"{model['n_samples']} probes; out-of-bag MAPE: {err}; {len(models)} kept")
+    else:
+        print("\nmodel: none fitted yet (predictions come from the roofline estimate)")
+    return 0
+
+
+def _age(s: float) -> str:
+    for unit, f in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= f:
+            return f"{s / f:.0f}{unit}"
+    return f"{max(s, 0):.0f}s"
+
+
+# ------------------------------------------------------------------ parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
+        self.exit(EXIT_CONFIG, f"gemmd: error: {message} (see gemmd {self.prog.split()[-1]} "
+                               f"--help)\n" if " " in self.prog else f"gemmd: error: {message}\n")
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not MxNxK, e.g. 1024x1024x1024"
+                                         ) from None
+    if min(m, n, k) < 1 or max(m, n, k) > 1 << 20:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: each dimension must be 1..1048576")
+    return m, n, k
+
+
+def _tile(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tile {text!r} is not an integer") from None
+    if not 1 <= v <= 32:
+        raise argparse.ArgumentTypeError(f"tile {v} is outside 1..32")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gemmd", description="GEMM probes on every GPU, measured vs predicted, "
+                                          "as Prometheus metrics.")
+    p.add_argument("--version", action="version", version=f"gemmd {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", default=_default_config(),
+                        help="configuration file (default: $GEMMD_CONFIG, "
+                             "/etc/gemmd/gemmd.yaml, else built-in defaults)")
+    common.add_argument("--state-dir", type=Path, help="override state_dir")
+    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("run", parents=[common], help="run the daemon")
+    r.add_argument("--port", type=int, help="override listen.port (0: any free port)")
+    r.add_argument("--backend", choices=("auto", "nvidia", "cpu", "fake"))
+    r.set_defaults(func=cmd_run)
+
+    pr = sub.add_parser("probe", parents=[common], help="run one probe round, print a table")
+    pr.add_argument("--backend", choices=("auto", "nvidia", "cpu", "fake"))
+    pr.add_argument("--shape", type=_shape, action="append", default=[],
+                    help="MxNxK (repeatable); replaces the configured sentinels")
+    pr.add_argument("--dtype", choices=DTYPES, action="append", default=[])
+    pr.add_argument("--kernel", choices=KERNELS, action="append", default=[])
+    pr.add_argument("--tile", type=_tile, action="append", default=[])
+    pr.add_argument("--layout", choices=LAYOUTS, action="append", default=[])
+    pr.add_argument("--window", type=float, help="override probes.measure.window_s")
+    pr.add_argument("--force", action="store_true", help="probe even if the device is busy")
+    pr.add_argument("--no-store", action="store_true", help="don't record results")
+    pr.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    pr.set_defaults(func=cmd_probe)
+
+    st = sub.add_parser("status", parents=[common], help="what the store holds")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    cc = sub.add_parser("check-config", parents=[common], help="validate a configuration")
+    cc.add_argument("file", nargs="?", help="file to check (default: --config)")
+    cc.set_defaults(func=cmd_check_config)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"gemmd: config error: {e.source}: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    except GemmdError as e:
+        print(f"gemmd: error: {e}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        return 130

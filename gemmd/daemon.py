@@ -1,0 +1,255 @@
+"""The long-running daemon: APScheduler jobs, HTTP exporter, signals, systemd notify.
+
+One probe job per device (never overlapping itself, misfires coalesced), one refit job, and
+a watchdog job that declares a probe hung. SIGTERM/SIGINT cancel the probe in flight and
+stop within ``STOP_TIMEOUT_S``; a probe that does not return in time is abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers.background import BackgroundScheduler
+from prometheus_client import start_http_server
+
+from gemmd.config import Config
+from gemmd.devices import Device, open_devices
+from gemmd.errors import GemmdError
+from gemmd.exporter import make_registry
+from gemmd.probes import Measurement
+from gemmd.registry import ModelRegistry
+from gemmd.rounds import DeviceRunner
+from gemmd.state import ProbeState, State
+from gemmd.store import Store
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 8.0  # leaves headroom under systemd's and the tests' 10 s
+
+
+def sd_notify(message: str) -> bool:
+    """Send a systemd notification (READY=1, WATCHDOG=1, STOPPING=1...) if asked to."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]  # abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+        return True
+    except OSError as e:
+        logger.warning("systemd notify failed (%s): %s", message.split("=")[0], e)
+        return False
+
+
+def watchdog_interval() -> float | None:
+    """Half of systemd's WatchdogSec, when it applies to this process."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        return int(usec) / 2e6
+    except ValueError:
+        return None
+
+
+def state_store(cfg: Config) -> tuple[Path, Store]:
+    state_dir = cfg.resolved_state_dir()
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GemmdError(f"state_dir {state_dir}: cannot create: {e.strerror}") from e
+    if not os.access(state_dir, os.W_OK):
+        raise GemmdError(f"state_dir {state_dir}: not writable by this user")
+    return state_dir, Store(state_dir / "gemmd.db")
+
+
+class Daemon:
+    def __init__(self, cfg: Config, devices: list[Device] | None = None):
+        self.cfg = cfg
+        self.state_dir, self.store = state_store(cfg)
+        self.state = State()
+        self.registry = ModelRegistry(self.store, self.state_dir / "models", cfg.model,
+                                      self.state)
+        self.devices = devices if devices is not None else open_devices(cfg)
+        if not self.devices:
+            raise GemmdError("no devices to probe (check 'devices' and 'backend')")
+        self.cancel = threading.Event()
+        self.stopping = threading.Event()
+        self.runners: list[DeviceRunner] = []
+        for d in self.devices:
+            self.store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
+                                     _info_dict(d))
+            self.runners.append(DeviceRunner(d, cfg, self.store, self.state, self.registry,
+                                             self.cancel))
+        self.scheduler: BackgroundScheduler | None = None
+        self.httpd = None
+        self.port: int | None = None
+
+    # ----------------------------------------------------------------- start
+    def start(self) -> None:
+        self.registry.load_active()
+        self._restore()
+        self._serve()
+        cfg = self.cfg.schedule
+        self.scheduler = BackgroundScheduler(
+            executors={"default": ThreadPoolExecutor(len(self.runners) + 2)},
+            job_defaults={"coalesce": True, "max_instances": 1,
+                          "misfire_grace_time": int(cfg.probe_interval_s)},
+            timezone="UTC")
+        now = datetime.now().astimezone()
+        for r in self.runners:
+            self.scheduler.add_job(self._probe_job, "interval", args=[r],
+                                   seconds=cfg.probe_interval_s, next_run_time=now,
+                                   id=f"probe-{r.device.info.uuid}",
+                                   name=f"probe GPU {r.device.info.index}")
+        self.scheduler.add_job(self.refit, "interval", seconds=cfg.refit_interval_s,
+                               next_run_time=now + timedelta(seconds=cfg.refit_interval_s),
+                               id="refit", name="refit")
+        self.scheduler.add_job(self._watchdog, "interval", seconds=5, id="hang-watchdog",
+                               name="hang watchdog")
+        self.scheduler.start()
+        logger.info("gemmd started: %d device(s), backend %s, state in %s, metrics on %s:%s",
+                    len(self.devices), self.devices[0].info.backend, self.state_dir,
+                    self.cfg.listen.address, self.port)
+        sd_notify(f"READY=1\nSTATUS=probing {len(self.devices)} device(s)")
+
+    def _serve(self) -> None:
+        addr, port = self.cfg.listen.address, self.cfg.listen.port
+        try:
+            self.httpd, _ = start_http_server(port, addr, registry=make_registry(self.state))
+        except OSError as e:
+            raise GemmdError(f"listen {addr}:{port}: {e.strerror or e}") from e
+        self.port = self.httpd.server_port
+
+    def _restore(self) -> None:
+        """Show the last stored sentinel results again after a restart (with their age)."""
+        runners = {r.device.info.uuid: r for r in self.runners}
+        restored = 0
+        for row in self.store.latest_per_probe():
+            r = runners.get(row["device_uuid"])
+            if r is None or row["outcome"] != "ok" or row["runtime_s"] is None:
+                continue
+            m = _measurement_from_row(row)
+            if m.spec not in r.plan:
+                continue
+            try:
+                (pred,), _ = self.registry.predict([m.spec], [r.device.info])
+            except Exception as e:  # restore is best-effort; probing will refresh it
+                logger.warning("restore: cannot predict %s: %s", m.spec.name, e)
+                continue
+            with self.state.lock:
+                self.state.probes[(row["device_uuid"], m.spec)] = ProbeState(
+                    m.spec, m, pred, row["ts"])
+            restored += 1
+        if restored:
+            logger.info("restored %d stored sentinel results", restored)
+
+    # ----------------------------------------------------------------- jobs
+    def _probe_job(self, runner: DeviceRunner) -> None:
+        if self.stopping.is_set():
+            return
+        try:
+            runner.run_round()
+        except Exception:  # one device's bug must never stop the others
+            logger.exception("GPU %s: probe round crashed", runner.device.info.index)
+        if self.registry.current.kind == "roofline" and self.scheduler and \
+                not self.stopping.is_set():
+            # First model as soon as enough data exists, not an hour later.
+            n = len(self.store.probes(limit=self.cfg.model.min_samples))
+            if n >= self.cfg.model.min_samples:
+                self.scheduler.add_job(self.refit, id="refit-now", replace_existing=True)
+
+    def refit(self) -> None:
+        if self.stopping.is_set():
+            return
+        try:
+            outcome = self.registry.refit()
+            logger.info("refit: %s", outcome)
+        except Exception as e:
+            logger.exception("refit failed: %s", e)
+            with self.state.lock:
+                self.state.model.refits_total["failed"] += 1
+        try:
+            n = self.store.prune(self.cfg.store.retention_days, self.cfg.store.max_rows)
+            if n:
+                logger.info("store: pruned %d old probe results", n)
+        except Exception as e:
+            logger.error("store: prune failed: %s", e)
+
+    def _watchdog(self) -> None:
+        timeout = self.cfg.probes.measure.timeout_s
+        for r in self.runners:
+            since = self.state.devices[r.device.info.uuid].in_flight_since
+            if since is not None and time.time() - since > timeout:
+                r.mark_hung(since)
+
+    # ----------------------------------------------------------------- run/stop
+    def run_forever(self) -> None:
+        wd = watchdog_interval()
+        while not self.stopping.wait(wd or 3600.0):
+            if wd and self.scheduler is not None and self.scheduler.running:
+                sd_notify("WATCHDOG=1")
+
+    def request_stop(self, signum: int | None = None) -> None:
+        if not self.stopping.is_set():
+            logger.info("stopping (signal %s)", signum)
+        self.stopping.set()
+        self.cancel.set()
+
+    def stop(self) -> bool:
+        """Stop everything; True if every probe finished, False if one was abandoned."""
+        sd_notify("STOPPING=1")
+        self.request_stop()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        if self.scheduler is not None and self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
+        clean = True
+        for r in self.runners:
+            left = max(0.0, deadline - time.monotonic())
+            if r._round_lock.acquire(timeout=left):
+                r._round_lock.release()
+            else:
+                clean = False
+                logger.warning("GPU %s: probe did not stop in time; abandoned",
+                               r.device.info.index)
+        for d in self.devices:
+            try:
+                d.close()
+            except Exception as e:
+                logger.warning("GPU %s: close failed: %s", d.info.index, e)
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        self.store.close()
+        logger.info("stopped")
+        return clean
+
+
+def _info_dict(d: Device) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(d.info)
+
+
+def _measurement_from_row(row: dict) -> Measurement:
+    from gemmd.features import spec_of
+
+    return Measurement(
+        spec=spec_of(row), iterations=row["iterations"] or 0, runtime_s=row["runtime_s"],
+        runtime_mean_s=row["runtime_mean_s"] or row["runtime_s"],
+        runtime_min_s=row["runtime_min_s"] or row["runtime_s"],
+        runtime_p90_s=row["runtime_p90_s"] or row["runtime_s"],
+        runtime_cv=row["runtime_cv"] or 0.0, window_s=row["window_s"] or 0.0,
+        energy_j=row["energy_j"], power_w=row["power_w"], power_sample_w=row["power_sample_w"],
+        context=row["context"] if isinstance(row["context"], dict) else {})

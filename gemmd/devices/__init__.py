@@ -1,0 +1,59 @@
+"""Device backends and the one place where devices are built (no singletons).
+
+The NVIDIA backend is imported only when asked for, so the CPU path never needs CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from gemmd.config import Config
+from gemmd.devices.base import Device, DeviceInfo, roofline_seconds
+from gemmd.errors import DeviceUnavailable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Device", "DeviceInfo", "open_devices", "roofline_seconds", "select"]
+
+
+def select(devices: Sequence[Device], wanted: str | Sequence[int | str]) -> list[Device]:
+    """Keep the devices named by index or UUID; an entry matching nothing is an error."""
+    if wanted == "all":
+        return list(devices)
+    out = []
+    for w in wanted:
+        match = [d for d in devices if (isinstance(w, int) and d.info.index == w)
+                 or (isinstance(w, str) and d.info.uuid == w)]
+        if not match:
+            have = ", ".join(f"{d.info.index}={d.info.uuid}" for d in devices) or "none"
+            raise DeviceUnavailable(f"devices: no device matches {w!r} (found: {have})")
+        out.extend(m for m in match if m not in out)
+    return out
+
+
+def open_devices(cfg: Config) -> list[Device]:
+    """Build the configured backend's devices. Raises DeviceUnavailable when it can't."""
+    budget = cfg.budget.memory_mb << 20
+    if cfg.backend == "fake":
+        from gemmd.devices.fake import FakeDevice
+
+        devs: list[Device] = [
+            FakeDevice(i, d, seed=cfg.fake.seed, noise=cfg.fake.noise,
+                       realtime=cfg.fake.realtime, memory_budget=budget)
+            for i, d in enumerate(cfg.fake.devices)]
+        return select(devs, cfg.devices)
+    if cfg.backend in ("auto", "nvidia"):
+        from gemmd.devices import nvidia
+
+        try:
+            found = nvidia.open_all(memory_budget=budget)
+        except DeviceUnavailable as e:
+            if cfg.backend == "nvidia":
+                raise
+            logger.warning("backend auto: no usable NVIDIA GPU (%s); using the CPU backend", e)
+        else:
+            return select(found, cfg.devices)
+    from gemmd.devices.cpu import CpuDevice
+
+    return select([CpuDevice(memory_budget=budget, seed=cfg.model.seed)], cfg.devices)

@@ -1,0 +1,86 @@
+"""The narrow Device interface every backend implements.
+
+Units are SI at this boundary: seconds, joules, watts, hertz, bytes, FLOP/s.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from gemmd.probes import ProbeSpec
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    uuid: str
+    name: str  # model name, e.g. "NVIDIA H100 80GB HBM3"
+    backend: str  # "nvidia" | "cpu" | "fake"
+    peak_flops: dict[str, float]  # dense peak FLOP/s per dtype (datasheet or estimate)
+    mem_bandwidth: float  # bytes/s
+    sm_count: int | None = None
+    memory_bytes: int | None = None
+    power_limit_w: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def roofline_seconds(info: DeviceInfo, spec: ProbeSpec) -> float | None:
+    """Lower bound on runtime: max(compute time at peak, compulsory traffic at peak bandwidth).
+
+    The tiled kernel runs on the fp32 (SIMT) units whatever the tensor-core peaks are.
+    """
+    peak = info.peak_flops.get("fp32" if spec.kernel == "tiled" else spec.dtype)
+    if not peak or not info.mem_bandwidth:
+        return None
+    return max(spec.flops / peak, spec.bytes / info.mem_bandwidth)
+
+
+class Device(abc.ABC):
+    """One probe-able device. Methods may raise DeviceError; none may hang forever on close."""
+
+    info: DeviceInfo
+
+    @abc.abstractmethod
+    def unsupported_reason(self, spec: ProbeSpec) -> str | None:
+        """Why this device cannot run ``spec`` (dtype, kernel, memory budget), or None."""
+
+    @abc.abstractmethod
+    def busy_reason(self) -> str | None:
+        """Why probing now would disturb other work (e.g. "other_processes"), or None."""
+
+    @abc.abstractmethod
+    def prepare(self, spec: ProbeSpec) -> None:
+        """Allocate (or reuse) random input buffers for ``spec`` within the memory budget."""
+
+    @abc.abstractmethod
+    def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
+        """Run ``iterations`` GEMMs back to back; per-iteration device time in seconds.
+
+        Returns early (fewer times) when ``cancel`` is set.
+        """
+
+    @abc.abstractmethod
+    def clock(self) -> float:
+        """Monotonic seconds on the same time base as the energy counter."""
+
+    @abc.abstractmethod
+    def energy_j(self) -> float | None:
+        """Monotonic energy counter in joules, or None when the device has none."""
+
+    @abc.abstractmethod
+    def power_w(self) -> float | None:
+        """Instantaneous power in watts, or None."""
+
+    @abc.abstractmethod
+    def context(self) -> dict[str, Any]:
+        """Clocks (Hz), temperature (C), power limit (W), throttle reasons, P-state..."""
+
+    @abc.abstractmethod
+    def check(self, spec: ProbeSpec) -> tuple[bool, float]:
+        """Compare the last output of ``spec`` with a reference: (ok, worst scaled error)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release buffers and handles."""

@@ -1,0 +1,224 @@
+"""A simulated GPU for tests and demos: seeded, realistic, with fault injection.
+
+Runtime follows a roofline with tile/wave quantization and lognormal noise; power follows
+utilization between idle and the power limit; the energy counter is monotonic and, like
+NVML's, only moves in 100 ms steps. Time is simulated (no sleeping) unless ``realtime``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gemmd.config import FakeDeviceConfig
+from gemmd.devices.base import Device, DeviceInfo
+from gemmd.errors import DeviceError, UnsupportedProbe
+from gemmd.probes import DTYPE_BYTES, OUT_BYTES, ProbeSpec
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str
+    sm_count: int
+    peak: dict[str, float]  # dense FLOP/s
+    bandwidth: float  # B/s
+    memory: int
+    tdp_w: float
+    idle_w: float
+    sm_clock_hz: float
+    mem_clock_hz: float
+
+
+T = 1e12
+MODELS = {
+    "H100-SXM": GpuModel("NVIDIA H100 80GB HBM3 (fake)", 132,
+                         {"fp64": 67 * T, "fp32": 67 * T, "tf32": 494.7 * T, "fp16": 989.4 * T,
+                          "bf16": 989.4 * T, "fp8": 1978.9 * T}, 3.35e12, 80 << 30, 700, 70,
+                         1.98e9, 2.619e9),
+    "A100-SXM": GpuModel("NVIDIA A100-SXM4-80GB (fake)", 108,
+                         {"fp64": 19.5 * T, "fp32": 19.5 * T, "tf32": 156 * T, "fp16": 312 * T,
+                          "bf16": 312 * T}, 2.039e12, 80 << 30, 400, 55, 1.41e9, 1.593e9),
+    "RTX4070": GpuModel("NVIDIA GeForce RTX 4070 (fake)", 46,
+                        {"fp64": 0.455 * T, "fp32": 29.1 * T, "tf32": 29.1 * T,
+                         "fp16": 58.3 * T, "bf16": 58.3 * T, "fp8": 116.6 * T}, 504e9,
+                        12 << 30, 200, 12, 2.475e9, 10.5e9),
+    "L4": GpuModel("NVIDIA L4 (fake)", 58,
+                   {"fp64": 0.49 * T, "fp32": 30.3 * T, "tf32": 60 * T, "fp16": 121 * T,
+                    "bf16": 121 * T, "fp8": 242.5 * T}, 300e9, 24 << 30, 72, 16, 2.04e9,
+                   6.251e9),
+}
+
+# Fraction of fp32 peak reached by the paper's naive tiled kernel, by tile edge (shape of
+# GPPerf's finding: tiny tiles are launch/latency bound, 16-32 are best).
+_TILED_EFF = {1: 0.004, 2: 0.012, 4: 0.04, 8: 0.09, 16: 0.15, 32: 0.14}
+_LAYOUT_FACTOR = {"nn": 1.0, "nt": 1.01, "tn": 1.02, "tt": 1.04}
+_LAUNCH_S = 4e-6
+_ENERGY_STEP_S = 0.1
+
+
+def simulated_runtime(model: GpuModel, spec: ProbeSpec) -> tuple[float, float]:
+    """Noise-free (runtime seconds, utilization 0..1) of ``spec`` on ``model``."""
+    if spec.kernel == "tiled":
+        tiles = sorted(_TILED_EFF)
+        eff = _TILED_EFF[min(tiles, key=lambda t: abs(t - spec.tile))]
+        t = spec.flops / (model.peak["fp32"] * eff) + _LAUNCH_S
+        return t, min(1.0, 0.3 + 2 * eff)
+    # cuBLAS-like: 128x128 output tiles (256x128 for <=16-bit), wave quantization over SMs.
+    tm, tn = (256, 128) if DTYPE_BYTES[spec.dtype] <= 2 else (128, 128)
+    n_tiles = math.ceil(spec.m / tm) * math.ceil(spec.n / tn)
+    waves = math.ceil(n_tiles / model.sm_count)
+    wave_eff = n_tiles / (waves * model.sm_count)
+    compute = spec.flops / (model.peak[spec.dtype] * 0.8 * wave_eff)
+    memory = spec.bytes / (model.bandwidth * 0.85)
+    t = max(compute, memory) * _LAYOUT_FACTOR[spec.layout] + _LAUNCH_S
+    util = min(1.0, spec.flops / (t * model.peak[spec.dtype]) / 0.8)
+    # Memory-bound kernels still keep the chip busy; launch-bound ones do not.
+    busy = max(util, min(1.0, memory / t) * 0.6)
+    return t, busy
+
+
+class FakeDevice(Device):
+    def __init__(self, index: int, cfg: FakeDeviceConfig, *, seed: int = 0, noise: float = 0.01,
+                 realtime: bool = False, memory_budget: int = 2 << 30):
+        self.cfg = cfg
+        self.model = MODELS[cfg.model]
+        uid = hashlib.sha1(f"{seed}-{index}-{cfg.model}".encode()).hexdigest()
+        self.info = DeviceInfo(
+            index=index, uuid=f"GPU-fake-{uid[:8]}-{uid[8:12]}-{uid[12:16]}", name=self.model.name,
+            backend="fake", peak_flops=dict(self.model.peak), mem_bandwidth=self.model.bandwidth,
+            sm_count=self.model.sm_count, memory_bytes=self.model.memory,
+            power_limit_w=self.model.tdp_w, extra={"simulated": True})
+        self._rng = np.random.default_rng([seed, index])
+        # Sibling cards differ a little (silicon lottery), fixed per device.
+        self._offset = float(np.exp(self._rng.normal(0.0, 0.01)))
+        self._noise = noise
+        self._realtime = realtime
+        self._budget = memory_budget
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self._sim_offset = 0.0  # simulated seconds added to the real clock
+        self._energy = 0.0  # exact integral, J
+        self._energy_t = self._start
+        self._reported = 0.0
+        self._power = self.model.idle_w
+        self._calls = 0
+        self._closed = threading.Event()
+        self._util = 0.0
+
+    # -- faults and state -------------------------------------------------------
+    def _slowdown(self) -> float:
+        active = time.monotonic() - self._start >= self.cfg.slowdown_after_s
+        return self.cfg.slowdown_factor if active else 1.0
+
+    def clock(self) -> float:
+        return time.monotonic() + self._sim_offset
+
+    def _advance(self, seconds: float, power: float) -> None:
+        """Integrate energy: idle since the last event, then ``power`` for ``seconds``."""
+        now = self.clock()
+        self._energy += self.model.idle_w * max(0.0, now - self._energy_t)
+        self._energy += power * seconds
+        if self._realtime:
+            time.sleep(seconds)
+        else:
+            self._sim_offset += seconds
+        self._energy_t = self.clock()
+        self._power = power
+
+    # -- Device -----------------------------------------------------------------
+    def unsupported_reason(self, spec: ProbeSpec) -> str | None:
+        if spec.kernel == "tiled" and spec.dtype != "fp32":
+            return "the tiled kernel is fp32 only"
+        if spec.dtype not in self.model.peak:
+            return f"{self.model.name} has no {spec.dtype} support"
+        need = self._bytes(spec)
+        if need > self._budget:
+            return f"needs {need / 2**20:.0f} MiB, over the memory budget of " \
+                   f"{self._budget / 2**20:.0f} MiB"
+        return None
+
+    @staticmethod
+    def _bytes(spec: ProbeSpec) -> int:
+        ib, ob = DTYPE_BYTES[spec.dtype], OUT_BYTES[spec.dtype]
+        return ib * (spec.m * spec.k + spec.k * spec.n) + ob * spec.m * spec.n
+
+    def busy_reason(self) -> str | None:
+        return "other_processes" if self.cfg.busy else None
+
+    def prepare(self, spec: ProbeSpec) -> None:
+        reason = self.unsupported_reason(spec)
+        if reason:
+            raise UnsupportedProbe(f"{spec.name}: {reason}")
+
+    def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
+        with self._lock:
+            self._calls += 1
+            call = self._calls
+        if self._closed.is_set():
+            raise DeviceError(f"fake GPU {self.info.index}: device closed")
+        if self.cfg.fail_on_call and call >= self.cfg.fail_on_call:
+            raise DeviceError(f"fake GPU {self.info.index}: injected failure on call {call} "
+                              "(CUDA_ERROR_LAUNCH_FAILED)")
+        if self.cfg.hang_on_call and call == self.cfg.hang_on_call:
+            self._closed.wait()  # a real hang ignores cancellation; only close() ends it
+            raise DeviceError(f"fake GPU {self.info.index}: hung probe abandoned")
+        base, util = simulated_runtime(self.model, spec)
+        slow = self._slowdown()
+        times = base * self._offset * slow * np.exp(
+            self._rng.normal(0.0, self._noise, size=iterations))
+        total = float(times.sum())
+        self._util = util
+        power = self._power_for(util, slow, spec)
+        with self._lock:
+            self._advance(total, power)
+        return times.tolist()
+
+    def _power_for(self, util: float, slow: float, spec: ProbeSpec) -> float:
+        m = self.model
+        dyn = (m.tdp_w - m.idle_w) * (0.25 + 0.75 * util)
+        if spec.dtype in ("fp16", "bf16", "fp8"):
+            dyn *= 0.92  # narrower datapaths toggle fewer bits per FLOP
+        # A throttled card (slow > 1) runs at lower clocks and draws somewhat less.
+        p = m.idle_w + dyn / slow**0.5
+        p *= float(np.exp(self._rng.normal(0.0, self._noise / 2)))
+        return min(p, m.tdp_w)
+
+    def energy_j(self) -> float | None:
+        """Counter as NVML reports it: the value at the last 100 ms step boundary."""
+        with self._lock:
+            now = self.clock()
+            exact = self._energy + self.model.idle_w * max(0.0, now - self._energy_t)
+            step_t = math.floor((now - self._start) / _ENERGY_STEP_S) * _ENERGY_STEP_S
+            lag = (now - self._start) - step_t
+            # Monotonic, like the hardware counter, even when the power level just changed.
+            self._reported = max(self._reported, exact - self._power * lag)
+            return self._reported
+
+    def power_w(self) -> float | None:
+        return self._power
+
+    def context(self) -> dict[str, Any]:
+        slow = self._slowdown()
+        throttled = slow > 1.0
+        return {
+            "sm_clock_hz": self.model.sm_clock_hz / slow,
+            "mem_clock_hz": self.model.mem_clock_hz,
+            "temperature_c": 35.0 + 45.0 * self._util + (12.0 if throttled else 0.0),
+            "power_limit_w": self.model.tdp_w,
+            "clock_event_reasons": ["hw_thermal_slowdown"] if throttled else [],
+            "pstate": 0,
+            "other_processes": 1 if self.cfg.busy else 0,
+        }
+
+    def check(self, spec: ProbeSpec) -> tuple[bool, float]:
+        # The fake computes nothing; a slowed card still computes correctly.
+        return True, 0.0
+
+    def close(self) -> None:
+        self._closed.set()

@@ -1,0 +1,226 @@
+"""Prometheus collector exposing the daemon's current state, and the HTTP server for it.
+
+``collect()`` reads only the in-memory State snapshot: no device, NVML or store call runs
+on a scrape. Measured and predicted values share identical label sets so that PromQL can
+divide them directly; label values come from the probe plan, never from unbounded data.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gemmd import __version__
+from gemmd.probes import PROBE_LABELS
+from gemmd.state import DeviceState, State
+
+logger = logging.getLogger(__name__)
+
+DEVICE_LABELS = ("gpu", "uuid", "gpu_model")
+OUTCOMES = ("ok", "failed", "mismatch")
+KINDS = ("sentinel", "exploration")
+# Skip reasons that always exist (as zero) so that rate() and alerts see them from the start.
+SKIP_REASONS = ("other_processes", "duty_cycle", "device_down")
+
+_TARGETS = (  # (name, unit suffix, attribute of Measurement and Prediction, help noun)
+    ("runtime", "seconds", "runtime_s", "median per-GEMM runtime"),
+    ("power", "watts", "power_w", "average power over the probe window"),
+    ("energy", "joules", "energy_j", "energy per GEMM"),
+)
+
+
+def _dev_labels(d: DeviceState) -> list[str]:
+    return [str(d.info.index), d.info.uuid, d.info.name]
+
+
+class GemmdCollector(Collector):
+    def __init__(self, state: State):
+        self.state = state
+        self._last_duration = 0.0
+        self._last_success = 1.0
+
+    def collect(self) -> Iterator[Metric]:
+        t0 = time.perf_counter()
+        try:
+            yield from self._collect()
+            self._last_success = 1.0
+        except Exception:  # a scrape must never fail on a bug in one family
+            logger.exception("collect failed")
+            self._last_success = 0.0
+        self._last_duration = time.perf_counter() - t0
+        yield GaugeMetricFamily("gemmd_scrape_collector_success",
+                                "1 if the last collection of gemmd's own metrics succeeded",
+                                value=self._last_success)
+        yield GaugeMetricFamily("gemmd_scrape_collector_duration_seconds",
+                                "Time the previous collection of gemmd's metrics took",
+                                value=self._last_duration)
+
+    def _collect(self) -> Iterator[Metric]:
+        devices, probes, model, store_errors = self.state.snapshot()
+        info = GaugeMetricFamily("gemmd_build_info", "gemmd build information",
+                                 labels=("version", "python_version"))
+        info.add_metric([__version__, platform.python_version()], 1)
+        yield info
+        yield GaugeMetricFamily("gemmd_start_time_seconds",
+                                "Unix time the daemon started", value=self.state.started)
+        yield CounterMetricFamily("gemmd_store_errors", "Probe results that could not be "
+                                  "written to the store", value=store_errors)
+        yield from self._devices(devices)
+        yield from self._probes(devices, probes)
+        yield from self._model(model)
+
+    def _devices(self, devices: list[DeviceState]) -> Iterator[Metric]:
+        L = DEVICE_LABELS
+        dinfo = GaugeMetricFamily("gemmd_device_info", "Probed device (value is always 1)",
+                                  labels=(*L, "backend", "sm_count", "memory_bytes"))
+        up = GaugeMetricFamily("gemmd_device_up",
+                               "1 if the device is probing normally, 0 if marked down", labels=L)
+        fails = GaugeMetricFamily("gemmd_device_consecutive_failures",
+                                  "Failed probe rounds in a row (reset by a good round)", labels=L)
+        plan = GaugeMetricFamily("gemmd_device_plan_probes",
+                                 "Sentinel probes in this device's plan", labels=L)
+        probes = CounterMetricFamily("gemmd_probes", "Probes run, by kind and outcome",
+                                     labels=(*L, "kind", "outcome"))
+        skipped = CounterMetricFamily("gemmd_probes_skipped", "Probes not run, by reason",
+                                      labels=(*L, "reason"))
+        rounds = CounterMetricFamily("gemmd_device_rounds", "Probe rounds started", labels=L)
+        busy = CounterMetricFamily("gemmd_device_probe_seconds",
+                                   "Device time spent running probes (rate() = duty cycle)",
+                                   labels=L)
+        last = GaugeMetricFamily("gemmd_device_last_round_timestamp_seconds",
+                                 "Unix time the last probe round ended", labels=L)
+        inflight = GaugeMetricFamily("gemmd_device_probe_in_flight_seconds",
+                                     "How long the probe now running has been running",
+                                     labels=L)
+        ctx_fams = {
+            "sm_clock_hz": GaugeMetricFamily("gemmd_device_sm_clock_hertz",
+                                             "SM clock after the latest probe", labels=L),
+            "mem_clock_hz": GaugeMetricFamily("gemmd_device_memory_clock_hertz",
+                                              "Memory clock after the latest probe", labels=L),
+            "temperature_c": GaugeMetricFamily("gemmd_device_temperature_celsius",
+                                               "Temperature after the latest probe", labels=L),
+            "power_limit_w": GaugeMetricFamily("gemmd_device_power_limit_watts",
+                                               "Enforced power limit", labels=L),
+        }
+        reasons = GaugeMetricFamily("gemmd_device_clock_event_active",
+                                    "Clock-event (throttle) reasons active after the latest "
+                                    "probe (1 = active)", labels=(*L, "reason"))
+        now = time.time()
+        for d in devices:
+            lv = _dev_labels(d)
+            dinfo.add_metric([*lv, d.info.backend, str(d.info.sm_count or ""),
+                              str(d.info.memory_bytes or "")], 1)
+            up.add_metric(lv, 1.0 if d.up else 0.0)
+            fails.add_metric(lv, d.consecutive_failures)
+            plan.add_metric(lv, d.plan_size)
+            for kind in KINDS:
+                for outcome in OUTCOMES:
+                    probes.add_metric([*lv, kind, outcome], d.probes_total[(kind, outcome)])
+            for reason in sorted(set(SKIP_REASONS) | set(d.skipped_total)):
+                skipped.add_metric([*lv, reason], d.skipped_total[reason])
+            rounds.add_metric(lv, d.rounds_total)
+            busy.add_metric(lv, d.probe_seconds_total)
+            if d.last_round_ts:
+                last.add_metric(lv, d.last_round_ts)
+            if d.in_flight_since is not None:
+                inflight.add_metric(lv, now - d.in_flight_since)
+            for key, fam in ctx_fams.items():
+                v = d.context.get(key)
+                if key == "power_limit_w" and v is None:
+                    v = d.info.power_limit_w
+                if isinstance(v, (int, float)):
+                    fam.add_metric(lv, float(v))
+            for r in d.context.get("clock_event_reasons", []):
+                reasons.add_metric([*lv, str(r)], 1)
+        yield from (dinfo, up, fails, plan, probes, skipped, rounds, busy, last, inflight,
+                    *ctx_fams.values(), reasons)
+
+    def _probes(self, devices: list[DeviceState], probes: list) -> Iterator[Metric]:
+        by_uuid = {d.info.uuid: d for d in devices}
+        labels = (*DEVICE_LABELS, *PROBE_LABELS)
+        fams: dict[str, GaugeMetricFamily] = {}
+
+        def fam(name: str, doc: str) -> GaugeMetricFamily:
+            if name not in fams:
+                fams[name] = GaugeMetricFamily(name, doc, labels=labels)
+            return fams[name]
+
+        for uuid, ps in sorted(probes, key=lambda x: (x[0], x[1].spec)):
+            d = by_uuid.get(uuid)
+            if d is None:
+                continue
+            lv = [*_dev_labels(d), *(ps.spec.labels()[k] for k in PROBE_LABELS)]
+            m, p = ps.measurement, ps.prediction
+            for name, unit, attr, noun in _TARGETS:
+                measured, predicted = getattr(m, attr), getattr(p, attr)
+                if measured is not None:
+                    fam(f"gemmd_probe_{name}_{unit}", f"Measured {noun}").add_metric(lv, measured)
+                if predicted is not None:
+                    fam(f"gemmd_probe_{name}_predicted_{unit}",
+                        f"Predicted {noun}").add_metric(lv, predicted)
+                    fam(f"gemmd_probe_{name}_predicted_lower_{unit}",
+                        f"Lower bound of the prediction interval of {noun}").add_metric(
+                            lv, getattr(p, f"{name}_lo"))
+                    fam(f"gemmd_probe_{name}_predicted_upper_{unit}",
+                        f"Upper bound of the prediction interval of {noun}").add_metric(
+                            lv, getattr(p, f"{name}_hi"))
+                if measured is not None and predicted:
+                    fam(f"gemmd_probe_{name}_ratio",
+                        f"Measured / predicted {noun}").add_metric(lv, measured / predicted)
+            fam("gemmd_probe_flops_per_second", "Achieved FLOP/s (2MNK / median runtime)"
+                ).add_metric(lv, m.spec.flops / m.runtime_s)
+            fam("gemmd_probe_runtime_variation_ratio",
+                "Coefficient of variation of per-iteration runtimes in the window"
+                ).add_metric(lv, m.runtime_cv)
+            fam("gemmd_probe_iterations", "GEMMs in the last timed window").add_metric(
+                lv, m.iterations)
+            fam("gemmd_probe_window_seconds", "Length of the last timed window").add_metric(
+                lv, m.window_s)
+            fam("gemmd_probe_last_timestamp_seconds", "Unix time of the last measurement"
+                ).add_metric(lv, ps.ts)
+        yield from fams.values()
+
+    def _model(self, model) -> Iterator[Metric]:
+        info = GaugeMetricFamily("gemmd_model_info", "The model predictions come from",
+                                 labels=("version", "kind"))
+        info.add_metric([model.version, model.kind], 1)
+        yield info
+        yield GaugeMetricFamily("gemmd_model_training_samples",
+                                "Probe results the current model was fitted on",
+                                value=model.n_samples)
+        if model.created:
+            yield GaugeMetricFamily("gemmd_model_fit_timestamp_seconds",
+                                    "Unix time the current model was fitted", value=model.created)
+        err = GaugeMetricFamily("gemmd_model_validation_error_ratio",
+                                "Out-of-bag error of the current model per target "
+                                "(mape: mean absolute percentage error as a ratio)",
+                                labels=("target", "statistic"))
+        for target, scores in sorted(model.scores.items()):
+            for stat, v in sorted(scores.items()):
+                err.add_metric([target, stat.removeprefix("oob_")], v)
+        yield err
+        refits = CounterMetricFamily("gemmd_model_refits", "Refit attempts by outcome",
+                                     labels=("outcome",))
+        for outcome in sorted({"accepted", "rejected", "insufficient_data", "failed"}
+                              | set(model.refits_total)):
+            refits.add_metric([outcome], model.refits_total[outcome])
+        yield refits
+        if model.last_refit_ts:
+            yield GaugeMetricFamily("gemmd_model_last_refit_timestamp_seconds",
+                                    "Unix time of the last refit attempt",
+                                    value=model.last_refit_ts)
+
+
+def make_registry(state: State, *, process: bool = True) -> CollectorRegistry:
+    """A fresh registry with gemmd's collector (and the standard process metrics)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(GemmdCollector(state))
+    if process:
+        ProcessCollector(registry=reg)
+    return reg

@@ -1,0 +1,174 @@
+"""Which model predictions come from: load the active one, refit, keep the last N.
+
+A refit replaces the current model only if it is not worse on the probes the current model
+has never seen (the new forest's out-of-bag predictions against the old model's): comparing
+each model's error on its own training data would favour whichever overfits more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gemmd import features
+from gemmd.config import ModelConfig
+from gemmd.devices.base import DeviceInfo
+from gemmd.errors import ModelError
+from gemmd.model import ForestModel, Prediction, RooflinePredictor
+from gemmd.probes import ProbeSpec
+from gemmd.state import State
+from gemmd.store import Store
+
+logger = logging.getLogger(__name__)
+
+
+def device_infos(store: Store) -> dict[str, DeviceInfo]:
+    out = {}
+    fields = {f.name for f in dataclasses.fields(DeviceInfo)}
+    for d in store.devices():
+        info = d["info"]
+        if isinstance(info, dict):
+            out[d["uuid"]] = DeviceInfo(**{k: v for k, v in info.items() if k in fields})
+    return out
+
+
+def training_data(store: Store, sources: Sequence[str] = ("daemon",)
+                  ) -> tuple[list[dict[str, Any]], list[DeviceInfo]]:
+    """Good probes (not flagged as drifting) whose device is known, oldest first."""
+    infos = device_infos(store)
+    rows = [r for r in reversed(store.probes(sources=sources)) if r["device_uuid"] in infos]
+    return rows, [infos[r["device_uuid"]] for r in rows]
+
+
+class ModelRegistry:
+    def __init__(self, store: Store, model_dir: Path, cfg: ModelConfig, state: State | None = None):
+        self.store = store
+        self.model_dir = Path(model_dir)
+        self.cfg = cfg
+        self.state = state
+        self._lock = threading.Lock()
+        self.current: ForestModel | RooflinePredictor = RooflinePredictor(cfg.roofline_efficiency)
+        self.created: float | None = None
+
+    # ------------------------------------------------------------- loading
+    def load_active(self) -> None:
+        """Load the newest usable model; a bad file is logged and the previous one tried."""
+        models = self.store.models()
+        active = [m for m in models if m["active"]]
+        for rec in active + [m for m in models if not m["active"]]:
+            try:
+                model = ForestModel.load(rec["path"], rec["meta"].get("sha256"))
+            except ModelError as e:
+                logger.error("model %d unusable: %s", rec["version"], e)
+                continue
+            model.version = f"rf-{rec['version']}"
+            self._set(model, rec["created"])
+            if not rec["active"]:
+                self.store.activate_model(rec["version"])
+            logger.info("loaded model %s (%d samples)", model.version, rec["n_samples"])
+            return
+        logger.info("no fitted model yet: predictions come from the roofline estimate")
+
+    def _set(self, model: ForestModel | RooflinePredictor, created: float | None) -> None:
+        with self._lock:
+            self.current = model
+            self.created = created
+        if self.state is not None:
+            with self.state.lock:
+                ms = self.state.model
+                ms.version, ms.kind = model.version, model.kind
+                ms.created = created
+                ms.n_samples = int(model.meta.get("n_samples", 0))
+                ms.scores = dict(model.meta.get("scores", {}))
+
+    # ------------------------------------------------------------- predicting
+    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
+                ) -> tuple[list[Prediction], str]:
+        with self._lock:
+            model = self.current
+        return model.predict(specs, infos), model.version
+
+    # ------------------------------------------------------------- refitting
+    def refit(self, sources: Sequence[str] = ("daemon",), force: bool = False) -> str:
+        """Fit on stored probes; returns the outcome (accepted, rejected, insufficient_data)."""
+        outcome = self._refit(sources, force)
+        if self.state is not None:
+            with self.state.lock:
+                self.state.model.refits_total[outcome] += 1
+                self.state.model.last_refit_ts = time.time()
+        return outcome
+
+    def _refit(self, sources: Sequence[str], force: bool) -> str:
+        rows, infos = training_data(self.store, sources)
+        if len(rows) < self.cfg.min_samples:
+            logger.info("refit: %d samples, need model.min_samples=%d", len(rows),
+                        self.cfg.min_samples)
+            return "insufficient_data"
+        try:
+            new = ForestModel.fit(rows, infos, self.cfg)
+        except ModelError as e:
+            logger.info("refit: %s", e)
+            return "insufficient_data"
+        with self._lock:
+            old, old_created = self.current, self.created
+        if isinstance(old, ForestModel) and not force:
+            unseen = [i for i, r in enumerate(rows) if r["ts"] > (old_created or 0)]
+            if not unseen:
+                logger.info("refit: no probes since model %s; keeping it", old.version)
+                return "rejected"
+            new_err, old_err = self._compare(new, old, rows, infos, unseen)
+            if new_err > old_err:
+                logger.warning("refit rejected: new model's runtime error %.2f%% on %d unseen "
+                               "probes is worse than current %s's %.2f%%", 100 * new_err,
+                               len(unseen), old.version, 100 * old_err)
+                return "rejected"
+        self.register(new)
+        return "accepted"
+
+    @staticmethod
+    def _compare(new: ForestModel, old: ForestModel, rows: list[dict[str, Any]],
+                 infos: list[DeviceInfo], idx: list[int]) -> tuple[float, float]:
+        specs = [features.spec_of(rows[i]) for i in idx]
+        inf = [infos[i] for i in idx]
+        measured = np.array([rows[i]["runtime_s"] for i in idx])
+        roof = features.roofline_vector(specs, inf)
+        rf = new.forests["runtime"]
+        if len(rf.oob_prediction_) != len(rows):  # some rows had no runtime: no alignment
+            return 0.0, 0.0
+        # OOB predictions exist for every row only when each was left out of some bootstrap.
+        oob = np.exp(rf.oob_prediction_[idx]) * roof
+        old_pred = np.array([p.runtime_s for p in old.predict(specs, inf)])
+        ok = np.isfinite(oob)
+        new_err = float(np.mean(np.abs(oob[ok] - measured[ok]) / measured[ok])) if ok.any() \
+            else float("inf")
+        old_err = float(np.mean(np.abs(old_pred - measured) / measured))
+        return new_err, old_err
+
+    def register(self, model: ForestModel) -> int:
+        """Save atomically, record in the store as active, keep the last ``keep`` files."""
+        created = model.meta["created"]
+        path = self.model_dir / f"model-{int(created * 1000)}-{model.meta['data_hash']}.skops"
+        sha = model.save(path)
+        model.meta["sha256"] = sha
+        version = self.store.add_model(model.kind, str(path), model.meta["n_samples"],
+                                       model.meta["data_hash"], model.meta, activate=True)
+        model.version = f"rf-{version}"
+        self._set(model, created)
+        logger.info("model %s fitted on %d samples: runtime OOB MAPE %.2f%%", model.version,
+                    model.meta["n_samples"], 100 * model.meta["scores"]["runtime"]["oob_mape"])
+        self._prune_files()
+        return version
+
+    def _prune_files(self) -> None:
+        for rec in self.store.models()[self.cfg.keep:]:
+            p = Path(rec["path"])
+            if p.exists():
+                p.unlink()
+                logger.debug("removed old model file %s", p)

@@ -1,0 +1,215 @@
+"""One probe round on one device: do-no-harm checks, budget, measure, predict, store.
+
+Used by the daemon's scheduled jobs and by ``gemmd probe``. A device error ends the round
+for that device only; consecutive failed rounds mark it down and back off its retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gemmd.config import Config
+from gemmd.devices.base import Device
+from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
+from gemmd.model import Prediction
+from gemmd.probes import Measurement, ProbeSpec, as_row, build_plan, exploration_specs, measure
+from gemmd.registry import ModelRegistry
+from gemmd.state import ProbeState, State
+from gemmd.store import Store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Result:
+    spec: ProbeSpec
+    kind: str  # sentinel | exploration
+    outcome: str  # ok | failed | mismatch | skipped
+    measurement: Measurement | None = None
+    prediction: Prediction | None = None
+    error: str = ""
+
+
+class DeviceRunner:
+    def __init__(self, device: Device, cfg: Config, store: Store, state: State,
+                 registry: ModelRegistry, cancel: threading.Event | None = None):
+        self.device = device
+        self.cfg = cfg
+        self.store = store
+        self.state = state
+        self.registry = registry
+        self.cancel = cancel or threading.Event()
+        self.plan, dropped = build_plan(cfg.probes.sentinels, device)
+        for spec, reason in dropped.items():
+            logger.info("GPU %s: probe %s left out of the plan: %s", device.info.index,
+                        spec.name, reason)
+        state.add_device(device.info)
+        with state.lock:
+            state.devices[device.info.uuid].plan_size = len(self.plan)
+        self._rng = np.random.default_rng()
+        self._checks: Counter = Counter()
+        self._round_lock = threading.Lock()
+
+    @property
+    def _ds(self):
+        return self.state.devices[self.device.info.uuid]
+
+    def _skip_all(self, reason: str, n: int) -> None:
+        with self.state.lock:
+            self._ds.skipped_total[reason] += n
+
+    def run_round(self) -> list[Result]:
+        """Run one round; never raises for device trouble (it is recorded instead)."""
+        if not self._round_lock.acquire(blocking=False):
+            return []  # the previous round of this device is still running
+        try:
+            return self._round()
+        finally:
+            self._round_lock.release()
+
+    def _round(self) -> list[Result]:
+        info, ds = self.device.info, self._ds
+        mcfg = self.cfg.probes.measure
+        with self.state.lock:
+            ds.rounds_total += 1
+            down, retry_at = not ds.up, ds.next_retry
+        if down and time.time() < retry_at:
+            self._skip_all("device_down", len(self.plan))
+            return []
+        try:
+            busy = self.device.busy_reason() if self.cfg.schedule.skip_when_busy else None
+        except DeviceError as e:
+            self._round_failed(str(e))
+            return [Result(self.plan[0], "sentinel", "failed", error=str(e))] if self.plan else []
+        if busy:
+            logger.info("GPU %s: skipping round: %s", info.index, busy)
+            self._skip_all(busy, len(self.plan))
+            return []
+        todo = [(s, "sentinel") for s in self.plan]
+        todo += [(s, "exploration") for s in
+                 exploration_specs(self.cfg.probes.exploration, self.device, self._rng)]
+        budget = self.cfg.budget.duty_cycle * self.cfg.schedule.probe_interval_s
+        used, results, failed = 0.0, [], ""
+        for i, (spec, kind) in enumerate(todo):
+            if self.cancel.is_set():
+                break
+            if i and used + mcfg.warmup_s + mcfg.window_s > budget:
+                self._skip_all("duty_cycle", 1)
+                results.append(Result(spec, kind, "skipped", error="duty_cycle"))
+                continue
+            check = bool(mcfg.check_every) and self._checks[spec] % mcfg.check_every == 0
+            t0 = self.device.clock()
+            with self.state.lock:
+                ds.in_flight_since, ds.in_flight = time.time(), spec.name
+            try:
+                m = measure(self.device, spec, mcfg, check=check, cancel=self.cancel)
+            except ProbeCancelled:
+                break
+            except UnsupportedProbe as e:
+                logger.warning("GPU %s: %s", info.index, e)
+                self._skip_all("unsupported", 1)
+                continue
+            except (DeviceError, GemmdError) as e:
+                failed = str(e)
+                logger.error("GPU %s: probe %s failed: %s", info.index, spec.name, e)
+                results.append(self._record_failure(spec, kind, failed))
+                break  # a failing device fails every probe: don't hammer it this round
+            finally:
+                used += max(0.0, self.device.clock() - t0)
+                with self.state.lock:
+                    ds.in_flight_since, ds.in_flight = None, ""
+                    ds.probe_seconds_total += max(0.0, self.device.clock() - t0)
+            self._checks[spec] += 1
+            results.append(self._record(spec, kind, m))
+        with self.state.lock:
+            ds.last_round_ts = time.time()
+        if failed:
+            self._round_failed(failed)
+        elif results:
+            with self.state.lock:
+                if not ds.up:
+                    logger.warning("GPU %s is back up", info.index)
+                ds.up, ds.down_reason, ds.consecutive_failures = True, "", 0
+        return results
+
+    def _round_failed(self, error: str) -> None:
+        cfg = self.cfg.schedule
+        with self.state.lock:
+            ds = self._ds
+            ds.consecutive_failures += 1
+            if ds.consecutive_failures >= cfg.max_failures:
+                extra = ds.consecutive_failures - cfg.max_failures
+                backoff = min(cfg.max_backoff_s, cfg.probe_interval_s * 2 ** extra)
+                ds.next_retry = time.time() + backoff
+                if ds.up:
+                    logger.error("GPU %s marked down after %d failed rounds: %s",
+                                 self.device.info.index, ds.consecutive_failures, error)
+                ds.up, ds.down_reason = False, "failed"
+                logger.info("GPU %s: next retry in %.0f s", self.device.info.index, backoff)
+
+    def mark_hung(self, since: float) -> None:
+        """Called by the daemon's watchdog when a probe outlives probes.measure.timeout_s."""
+        with self.state.lock:
+            ds = self._ds
+            if ds.up or ds.down_reason != "hung":
+                logger.error("GPU %s: probe %s running for %.0f s: marked down as hung",
+                             self.device.info.index, ds.in_flight, time.time() - since)
+                ds.probes_total[("sentinel", "failed")] += 1
+            ds.up, ds.down_reason = False, "hung"
+
+    def _base_row(self, spec: ProbeSpec, kind: str) -> dict[str, Any]:
+        info = self.device.info
+        return {"ts": time.time(), "source": "daemon", "kind": kind, "device_uuid": info.uuid,
+                "device_index": info.index, "device_name": info.name, "backend": info.backend,
+                "m": spec.m, "n": spec.n, "k": spec.k, "dtype": spec.dtype,
+                "kernel": spec.kernel, "tile": spec.tile, "layout": spec.layout}
+
+    def _save(self, row: dict[str, Any]) -> None:
+        try:
+            self.store.insert_probe(row)
+        except (sqlite3.Error, GemmdError) as e:
+            logger.error("GPU %s: cannot store probe result: %s", self.device.info.index, e)
+            with self.state.lock:
+                self.state.store_errors_total += 1
+
+    def _record_failure(self, spec: ProbeSpec, kind: str, error: str) -> Result:
+        row = self._base_row(spec, kind)
+        row.update(outcome="failed", error=error[:500])
+        self._save(row)
+        with self.state.lock:
+            self._ds.probes_total[(kind, "failed")] += 1
+        return Result(spec, kind, "failed", error=error)
+
+    def _record(self, spec: ProbeSpec, kind: str, m: Measurement) -> Result:
+        info = self.device.info
+        try:
+            (pred,), version = self.registry.predict([spec], [info])
+        except Exception as e:  # a broken model must not lose the measurement
+            logger.error("prediction failed for %s: %s", spec.name, e)
+            pred, version = Prediction(), ""
+        outcome = "mismatch" if m.check_ok is False else "ok"
+        if outcome == "mismatch":
+            logger.error("GPU %s: probe %s returned wrong results (scaled error %.3g): possible "
+                         "silent data corruption", info.index, spec.name, m.check_error)
+        row = self._base_row(spec, kind)
+        row.update(as_row(m))
+        row.update(outcome=outcome, pred_runtime_s=pred.runtime_s, pred_power_w=pred.power_w,
+                   pred_energy_j=pred.energy_j, model_version=version)
+        self._save(row)
+        with self.state.lock:
+            ds = self._ds
+            ds.probes_total[(kind, outcome)] += 1
+            ds.context = dict(m.context.get("after") or {})
+            # Exploration shapes are for training only: exporting them would make label
+            # cardinality unbounded.
+            if kind == "sentinel":
+                self.state.probes[(info.uuid, spec)] = ProbeState(spec, m, pred, row["ts"])
+        return Result(spec, kind, outcome, m, pred)

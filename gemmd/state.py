@@ -1,0 +1,79 @@
+"""The daemon's in-memory state: what the exporter reads on a scrape.
+
+Writers (probe rounds, refits) update it under one lock; the exporter takes a consistent
+copy under the same lock and never touches a device, NVML or the store.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from gemmd.devices.base import DeviceInfo
+from gemmd.model import Prediction
+from gemmd.probes import Measurement, ProbeSpec
+
+
+@dataclass
+class ProbeState:
+    spec: ProbeSpec
+    measurement: Measurement
+    prediction: Prediction
+    ts: float
+
+
+@dataclass
+class DeviceState:
+    info: DeviceInfo
+    up: bool = True
+    down_reason: str = ""
+    consecutive_failures: int = 0
+    next_retry: float = 0.0
+    # (kind, outcome) -> count; kind: sentinel | exploration; outcome: ok | failed | mismatch
+    probes_total: Counter = field(default_factory=Counter)
+    skipped_total: Counter = field(default_factory=Counter)  # reason -> count
+    mismatches_total: int = 0
+    rounds_total: int = 0
+    probe_seconds_total: float = 0.0  # device time spent probing
+    last_round_ts: float = 0.0
+    in_flight_since: float | None = None
+    in_flight: str = ""
+    context: dict[str, Any] = field(default_factory=dict)  # from the latest probe
+    plan_size: int = 0
+
+
+@dataclass
+class ModelState:
+    version: str = "roofline"
+    kind: str = "roofline"
+    created: float | None = None
+    n_samples: int = 0
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    refits_total: Counter = field(default_factory=Counter)  # outcome -> count
+    last_refit_ts: float | None = None
+
+
+class State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started = time.time()
+        self.devices: dict[str, DeviceState] = {}
+        self.probes: dict[tuple[str, ProbeSpec], ProbeState] = {}
+        self.model = ModelState()
+        self.store_errors_total = 0
+
+    def add_device(self, info: DeviceInfo) -> None:
+        with self.lock:
+            self.devices.setdefault(info.uuid, DeviceState(info=info))
+
+    def snapshot(self) -> tuple[list[DeviceState], list[tuple[str, ProbeState]], ModelState,
+                                int]:
+        """A consistent copy for one scrape."""
+        with self.lock:
+            return (copy.deepcopy(list(self.devices.values())),
+                    [(uuid, copy.copy(p)) for (uuid, _), p in self.probes.items()],
+                    copy.deepcopy(self.model), self.store_errors_total)
