@@ -86,6 +86,7 @@ class Daemon:
             raise GemmdError("no devices to probe (check 'devices' and 'backend')")
         self.cancel = threading.Event()
         self.stopping = threading.Event()
+        self._first_fit = threading.Event()
         self.runners: list[DeviceRunner] = []
         for d in self.devices:
             self.store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
@@ -164,11 +165,12 @@ class Daemon:
         except Exception:  # one device's bug must never stop the others
             logger.exception("GPU %s: probe round crashed", runner.device.info.index)
         if self.registry.current.kind == "roofline" and self.scheduler and \
-                not self.stopping.is_set():
+                not self.stopping.is_set() and not self._first_fit.is_set():
             # First model as soon as enough data exists, not an hour later.
             n = len(self.store.probes(limit=self.cfg.model.min_samples))
             if n >= self.cfg.model.min_samples:
-                self.scheduler.add_job(self.refit, id="refit-now", replace_existing=True)
+                self._first_fit.set()
+                self.scheduler.add_job(self.refit, id="first-fit", name="first fit")
 
     def refit(self) -> None:
         if self.stopping.is_set():
@@ -176,6 +178,8 @@ class Daemon:
         try:
             outcome = self.registry.refit()
             logger.info("refit: %s", outcome)
+            if outcome == "insufficient_data":
+                self._first_fit.clear()  # try again after the next round
         except Exception as e:
             logger.exception("refit failed: %s", e)
             with self.state.lock:

@@ -16,6 +16,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,10 @@ class ForestModel:
                 n_estimators=cfg.n_estimators, max_depth=cfg.max_depth or None,
                 min_samples_leaf=cfg.min_samples_leaf, oob_score=True, bootstrap=True,
                 random_state=cfg.seed, n_jobs=1)
-            rf.fit(X[ok], y[ok])
+            with warnings.catch_warnings():
+                # Rows that every bootstrap drew have no OOB estimate; handled below.
+                warnings.filterwarnings("ignore", message="Some inputs do not have OOB")
+                rf.fit(X[ok], y[ok])
             oob = rf.oob_prediction_
             idx = np.flatnonzero(ok)[np.isfinite(oob)]  # rows with an out-of-bag estimate
             resid = y[idx] - oob[np.isfinite(oob)]
@@ -239,12 +243,26 @@ class ForestModel:
                 raise ModelError(f"model file {path} contains untrusted types: "
                                  f"{', '.join(extra)}")
             payload = sio.load(str(path), trusted=sorted(set(untrusted)))
+            _check_payload(payload, path)
             meta = json.loads(payload["meta"])
             return cls(payload["forests"], dict(payload["sigma"]), float(payload["z"]), meta)
         except ModelError:
             raise
         except Exception as e:  # skops/zipfile/json raise many types on a corrupt file
             raise ModelError(f"model file {path} cannot be read: {type(e).__name__}: {e}") from e
+
+
+def _check_payload(payload: Any, path: Path) -> None:
+    """skops trusts every scikit-learn estimator; insist on the shape gemmd writes."""
+    from sklearn.ensemble import RandomForestRegressor
+
+    ok = (isinstance(payload, dict) and set(payload) == {"forests", "sigma", "z", "meta"}
+          and isinstance(payload["forests"], dict) and "runtime" in payload["forests"]
+          and set(payload["forests"]) <= set(TARGETS)
+          and all(type(f) is RandomForestRegressor for f in payload["forests"].values())
+          and isinstance(payload["meta"], str))
+    if not ok:
+        raise ModelError(f"model file {path} is not a gemmd model (unexpected content)")
 
 
 def _sha256(path: str | Path) -> str:

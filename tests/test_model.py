@@ -1,0 +1,178 @@
+"""Model v0: fit on fake-device probes, intervals, safe persistence, registry and refit guard."""
+
+from __future__ import annotations
+
+import dataclasses
+import zipfile
+
+import numpy as np
+import pytest
+
+from gemmd.config import FakeDeviceConfig, MeasureConfig, ModelConfig
+from gemmd.devices.fake import FakeDevice
+from gemmd.errors import ModelError
+from gemmd.model import ForestModel, RooflinePredictor
+from gemmd.probes import ProbeSpec, as_row, measure
+from gemmd.registry import ModelRegistry
+from gemmd.state import State
+from gemmd.store import Store
+
+SIZES = (512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+def _rows(dev, n, seed=0, ts=1000.0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        spec = ProbeSpec(*(int(x) for x in rng.choice(SIZES, 3)),
+                         dtype=str(rng.choice(["bf16", "fp32"])))
+        r = as_row(measure(dev, spec, MeasureConfig(window_s=0.2, warmup_s=0.0)))
+        r.update(device_uuid=dev.info.uuid, device_index=0, device_name=dev.info.name,
+                 backend="fake", source="daemon", kind="exploration", outcome="ok",
+                 ts=ts + i)
+        rows.append(r)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return FakeDevice(0, FakeDeviceConfig())
+
+
+@pytest.fixture(scope="module")
+def fitted(dev):
+    rows = _rows(dev, 200)
+    return ForestModel.fit(rows, [dev.info] * len(rows), ModelConfig(n_estimators=50)), rows
+
+
+def test_forest_beats_roofline_and_intervals_cover(dev, fitted):
+    model, _ = fitted
+    test = _rows(dev, 60, seed=1)
+    specs = [ProbeSpec(r["m"], r["n"], r["k"], r["dtype"]) for r in test]
+    measured = np.array([r["runtime_s"] for r in test])
+    preds = model.predict(specs, [dev.info] * len(specs))
+    rf = np.array([p.runtime_s for p in preds])
+    roof = np.array([p.runtime_s for p in RooflinePredictor(0.7).predict(
+        specs, [dev.info] * len(specs))])
+    mape_rf = np.mean(np.abs(rf - measured) / measured)
+    mape_roof = np.mean(np.abs(roof - measured) / measured)
+    assert mape_rf < mape_roof / 2, (mape_rf, mape_roof)
+    inside = np.mean([p.runtime_lo <= m <= p.runtime_hi for p, m in zip(preds, measured)])
+    assert inside >= 0.8  # nominal 90%
+    assert all(p.power_w and p.energy_j for p in preds)
+    assert set(model.meta["scores"]) == {"runtime", "power", "energy"}
+
+
+def test_fit_needs_min_samples(dev):
+    rows = _rows(dev, 5)
+    with pytest.raises(ModelError, match="min_samples"):
+        ForestModel.fit(rows, [dev.info] * 5, ModelConfig(min_samples=30))
+
+
+def test_targets_without_measurements_are_left_out(dev):
+    rows = _rows(dev, 40)
+    for r in rows:
+        r["power_w"] = r["energy_j"] = None  # e.g. a CPU without readable RAPL
+    m = ForestModel.fit(rows, [dev.info] * 40, ModelConfig(n_estimators=10))
+    assert set(m.forests) == {"runtime"}
+    (p,) = m.predict([ProbeSpec(1024, 1024, 1024, "bf16")], [dev.info])
+    assert p.runtime_s and p.power_w is None
+
+
+def test_save_load_roundtrip_and_refusals(tmp_path, dev, fitted):
+    model, _ = fitted
+    path = tmp_path / "m.skops"
+    sha = model.save(path)
+    spec = [ProbeSpec(2048, 2048, 2048, "bf16")]
+    again = ForestModel.load(path, sha)
+    assert again.predict(spec, [dev.info])[0].runtime_s == \
+        model.predict(spec, [dev.info])[0].runtime_s
+    # Tampered: one byte changed -> checksum mismatch.
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "bad.skops"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="checksum"):
+        ForestModel.load(bad, sha)
+    # Truncated, without a checksum to compare: still a clear ModelError.
+    trunc = tmp_path / "trunc.skops"
+    trunc.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ModelError, match="cannot be read"):
+        ForestModel.load(trunc)
+    with pytest.raises(ModelError, match="does not exist"):
+        ForestModel.load(tmp_path / "nope.skops")
+
+
+class Evil:
+    """Stands for any type a model file has no business containing."""
+
+
+def test_untrusted_types_are_refused_before_loading(tmp_path):
+    import skops.io as sio
+    from sklearn.linear_model import LinearRegression
+
+    path = tmp_path / "evil.skops"
+    sio.dump({"forests": {"runtime": Evil()}, "sigma": {}, "z": 1.0, "meta": "{}"}, path)
+    assert zipfile.is_zipfile(path)
+    with pytest.raises(ModelError, match="untrusted types: .*Evil"):
+        ForestModel.load(path)
+    # skops trusts every scikit-learn estimator; the wrong estimator is refused too.
+    sio.dump({"forests": {"runtime": LinearRegression()}, "sigma": {}, "z": 1.0,
+              "meta": "{}"}, path)
+    with pytest.raises(ModelError, match="not a gemmd model"):
+        ForestModel.load(path)
+
+
+def test_registry_falls_back_to_previous_model_when_newest_is_corrupt(tmp_path, dev, fitted):
+    model, rows = fitted
+    store = Store(tmp_path / "gemmd.db")
+    store.upsert_device(dev.info.uuid, 0, dev.info.name, "fake", dataclasses.asdict(dev.info))
+    state = State()
+    reg = ModelRegistry(store, tmp_path / "models", ModelConfig(n_estimators=10), state)
+    v1 = reg.register(model)
+    model2 = ForestModel(model.forests, model.sigma, model.z, dict(model.meta, created=2e9))
+    v2 = reg.register(model2)
+    assert reg.current.version == f"rf-{v2}"
+    newest = next(m for m in store.models() if m["version"] == v2)
+    with open(newest["path"], "r+b") as f:
+        f.truncate(500)
+    fresh = ModelRegistry(store, tmp_path / "models", ModelConfig(), State())
+    fresh.load_active()
+    assert fresh.current.version == f"rf-{v1}"
+    assert store.active_model()["version"] == v1
+    store.close()
+
+
+def test_refit_outcomes_and_kept_files(tmp_path, dev):
+    store = Store(tmp_path / "gemmd.db")
+    store.upsert_device(dev.info.uuid, 0, dev.info.name, "fake", dataclasses.asdict(dev.info))
+    state = State()
+    cfg = ModelConfig(n_estimators=10, min_samples=30, keep=2)
+    reg = ModelRegistry(store, tmp_path / "models", cfg, state)
+    store.insert_probes(_rows(dev, 10))
+    assert reg.refit() == "insufficient_data"
+    assert reg.current.kind == "roofline"
+    store.insert_probes(_rows(dev, 40, seed=2, ts=2000))
+    assert reg.refit() == "accepted" and reg.current.kind == "random_forest"
+    # Nothing new since the fit: keep the current model.
+    assert reg.refit() == "rejected"
+    for i in range(3):
+        store.insert_probes(_rows(dev, 10, seed=10 + i, ts=5e9 + i * 100))
+        reg.refit(force=True)
+    assert len(list((tmp_path / "models").glob("*.skops"))) == 2
+    assert state.model.refits_total["accepted"] == 4
+    assert state.model.version == reg.current.version
+    store.close()
+
+
+def test_refit_excludes_samples_flagged_as_drifting(tmp_path, dev):
+    store = Store(tmp_path / "gemmd.db")
+    store.upsert_device(dev.info.uuid, 0, dev.info.name, "fake", dataclasses.asdict(dev.info))
+    rows = _rows(dev, 40)
+    for r in rows[:20]:
+        r["flagged"] = True
+    store.insert_probes(rows)
+    reg = ModelRegistry(store, tmp_path / "models", ModelConfig(n_estimators=10,
+                                                                min_samples=30), State())
+    assert reg.refit() == "insufficient_data"  # only 20 usable samples
+    store.close()

@@ -1,0 +1,176 @@
+"""Probe rounds on fake devices: outcomes, skips, budget, failures, down/backoff, isolation."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from gemmd.config import (
+    Config,
+    ExplorationConfig,
+    FakeDeviceConfig,
+    MeasureConfig,
+    ProbeGroup,
+    ProbesConfig,
+)
+from gemmd.devices.fake import FakeDevice
+from gemmd.registry import ModelRegistry
+from gemmd.rounds import DeviceRunner
+from gemmd.state import State
+from gemmd.store import Store
+
+
+def _cfg(**over) -> Config:
+    probes = ProbesConfig(
+        sentinels=(ProbeGroup(shapes=((1024, 1024, 1024), (2048, 2048, 2048)),
+                              dtypes=("bf16", "fp32")),),
+        exploration=(ExplorationConfig(per_round=2, m=(256, 1024), n=(256, 1024),
+                                       k=(256, 1024)),),
+        measure=MeasureConfig(window_s=0.1, warmup_s=0.0, check_every=2))
+    cfg = Config(backend="fake", probes=probes)
+    sched = dataclasses.replace(cfg.schedule, probe_interval_s=10, max_failures=2)
+    budget = dataclasses.replace(cfg.budget, duty_cycle=1.0)
+    return dataclasses.replace(cfg, schedule=sched, budget=budget, **over)
+
+
+@pytest.fixture
+def env(tmp_path):
+    store = Store(tmp_path / "gemmd.db")
+    state = State()
+
+    def make(dev_cfg=None, cfg=None, index=0):
+        cfg = cfg or _cfg()
+        dev = FakeDevice(index, dev_cfg or FakeDeviceConfig())
+        store.upsert_device(dev.info.uuid, index, dev.info.name, "fake",
+                            dataclasses.asdict(dev.info))
+        reg = ModelRegistry(store, tmp_path / "models", cfg.model, state)
+        return DeviceRunner(dev, cfg, store, state, reg), dev
+
+    yield make, store, state
+    store.close()
+
+
+def test_round_runs_sentinels_then_exploration_and_stores_all(env):
+    make, store, state = env
+    runner, dev = make()
+    results = runner.run_round()
+    assert [r.kind for r in results] == ["sentinel"] * 4 + ["exploration"] * 2
+    assert all(r.outcome == "ok" for r in results)
+    rows = store.probes()
+    assert len(rows) == 6 and {r["kind"] for r in rows} == {"sentinel", "exploration"}
+    assert all(r["pred_runtime_s"] and r["model_version"] == "roofline" for r in rows)
+    ds = state.devices[dev.info.uuid]
+    assert ds.probes_total[("sentinel", "ok")] == 4
+    assert ds.probes_total[("exploration", "ok")] == 2
+    # Only sentinels reach the exporter's state (bounded label cardinality).
+    assert len(state.probes) == 4
+    assert ds.context["sm_clock_hz"] > 0 and ds.up
+
+
+def test_correctness_checked_every_nth_probe_of_a_spec(env):
+    make, store, _ = env
+    runner, _ = make()
+    for _ in range(3):
+        runner.run_round()
+    checked = [r for r in store.probes() if r["kind"] == "sentinel" and r["check_ok"]]
+    assert len(checked) == 8  # rounds 1 and 3 of 3, 4 sentinels each (check_every=2)
+
+
+def test_busy_device_is_skipped_and_counted(env):
+    make, store, state = env
+    runner, dev = make(FakeDeviceConfig(busy=True))
+    assert runner.run_round() == []
+    assert state.devices[dev.info.uuid].skipped_total["other_processes"] == 4
+    assert store.probes() == []
+
+
+def test_duty_cycle_budget_skips_the_rest_of_the_round(env):
+    make, _, state = env
+    cfg = _cfg()
+    cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, duty_cycle=0.025))
+    runner, dev = make(cfg=cfg)  # 0.25 s per round; each probe ~0.1 s of device time
+    results = runner.run_round()
+    ran = [r for r in results if r.outcome == "ok"]
+    skipped = [r for r in results if r.outcome == "skipped"]
+    assert 1 <= len(ran) <= 3 and len(ran) + len(skipped) == 6
+    assert state.devices[dev.info.uuid].skipped_total["duty_cycle"] == len(skipped)
+
+
+def test_failing_device_goes_down_backs_off_and_comes_back(env, monkeypatch):
+    make, store, state = env
+    runner, dev = make(FakeDeviceConfig(fail_on_call=1))
+    ds = state.devices[dev.info.uuid]
+    r1 = runner.run_round()
+    assert [r.outcome for r in r1] == ["failed"] and ds.up  # one failure: still up
+    runner.run_round()
+    assert not ds.up and ds.down_reason == "failed" and ds.consecutive_failures == 2
+    assert ds.next_retry > time.time()
+    # While backing off, rounds are skipped without touching the device.
+    calls = dev._calls
+    assert runner.run_round() == []
+    assert dev._calls == calls and ds.skipped_total["device_down"] == 4
+    failed = store.probes(outcome="failed")
+    assert len(failed) == 2 and "injected failure" in failed[0]["error"]
+    # The device recovers: the retry succeeds and it is up again.
+    dev.cfg = FakeDeviceConfig()
+    ds.next_retry = 0
+    assert all(r.outcome == "ok" for r in runner.run_round())
+    assert ds.up and ds.consecutive_failures == 0
+
+
+def test_backoff_doubles_up_to_the_cap(env):
+    make, _, state = env
+    runner, dev = make(FakeDeviceConfig(fail_on_call=1))
+    ds = state.devices[dev.info.uuid]
+    waits = []
+    for _ in range(6):
+        ds.next_retry = 0
+        runner.run_round()
+        waits.append(ds.next_retry - time.time() if not ds.up else 0)
+    assert waits[1] == pytest.approx(10, abs=1) and waits[2] == pytest.approx(20, abs=1)
+    assert waits[3] == pytest.approx(40, abs=1)
+
+
+def test_one_hung_device_does_not_stop_another(env):
+    make, _, state = env
+    hung, hdev = make(FakeDeviceConfig(hang_on_call=1), index=0)
+    good, gdev = make(index=1)
+    t = threading.Thread(target=hung.run_round, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert state.devices[hdev.info.uuid].in_flight_since is not None
+    assert all(r.outcome == "ok" for r in good.run_round())
+    hung.mark_hung(state.devices[hdev.info.uuid].in_flight_since)
+    assert not state.devices[hdev.info.uuid].up
+    assert state.devices[hdev.info.uuid].down_reason == "hung"
+    assert hung.run_round() == []  # the hung round still holds the device
+    hdev.close()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_mismatch_is_recorded_and_counted(env, monkeypatch):
+    make, store, state = env
+    runner, dev = make()
+    monkeypatch.setattr(dev, "check", lambda spec: (False, 0.5))
+    results = runner.run_round()
+    assert {r.outcome for r in results if r.kind == "sentinel"} == {"mismatch"}
+    assert state.devices[dev.info.uuid].probes_total[("sentinel", "mismatch")] == 4
+    # Exploration probes are checked on first sight too; none of them is used for training.
+    assert len(store.probes(outcome="mismatch")) == 6 and store.probes() == []
+
+
+def test_store_failure_keeps_measurement_and_counts_error(env, monkeypatch):
+    make, store, state = env
+    runner, _ = make()
+
+    def broken(row):
+        raise __import__("sqlite3").OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "insert_probe", broken)
+    results = runner.run_round()
+    assert all(r.outcome == "ok" for r in results)
+    assert state.store_errors_total == 6 and len(state.probes) == 4
