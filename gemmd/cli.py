@@ -345,16 +345,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(text: str) -> str:
+    """Escape line breaks and other control characters: one problem, one line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as e:
         for problem in e.problems:
-            print(f"gemmd: config error: {e.source}: {problem}", file=sys.stderr)
+            print(f"gemmd: config error: {e.source}: {_one_line(problem)}", file=sys.stderr)
         return EXIT_CONFIG
     except GemmdError as e:
-        print(f"gemmd: error: {e}", file=sys.stderr)
+        print(f"gemmd: error: {_one_line(str(e))}", file=sys.stderr)
         return EXIT_RUNTIME
     except KeyboardInterrupt:
         return 130

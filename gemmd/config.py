@@ -7,6 +7,7 @@ Validation runs once, at start-up: every problem is collected with its key path
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -215,6 +216,9 @@ def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
             out = _convert(value, alt, meta, path, trial)
             if not trial:
                 return out
+            if isinstance(value, list) and typing.get_origin(alt) is tuple:
+                errs.extend(trial)  # a list was meant: say which item is wrong
+                return None
         errs.add(path, f"expected {' or '.join(_describe(a) for a in alts)}, got "
                        f"{_typename(value)} {value!r}")
         return None
@@ -245,6 +249,9 @@ def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             errs.add(path, f"expected a number, got {_typename(value)} {value!r}")
+            return value
+        if not math.isfinite(value):
+            errs.add(path, f"{value} is not a finite number")
             return value
         _check_range(float(value), meta, path, errs)
         return float(value)

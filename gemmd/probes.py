@@ -165,7 +165,9 @@ class Measurement:
 def iterations_for_window(per_iter_s: float, window_s: float, min_iters: int,
                           max_iters: int) -> int:
     """Iterations needed to fill ``window_s`` at ``per_iter_s`` each, within the bounds."""
-    if per_iter_s <= 0 or not math.isfinite(per_iter_s):
+    if not math.isfinite(per_iter_s):  # infinitely slow (or NaN): as few as allowed
+        return min_iters
+    if per_iter_s <= 0:
         return max_iters
     return int(min(max(math.ceil(window_s / per_iter_s), min_iters), max_iters))
 
@@ -203,9 +205,12 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     cancel = cancel or threading.Event()
     device.prepare(spec)
     # Warm-up: at least warmup_iters and warmup_s of device time; its median sizes the window.
+    # Batches double so that a microsecond GEMM does not cost thousands of host round trips.
     warm: list[float] = []
+    batch = 1
     while len(warm) < cfg.warmup_iters or sum(warm) < cfg.warmup_s:
-        warm.extend(device.run(spec, 1, cancel))
+        warm.extend(device.run(spec, batch, cancel))
+        batch = min(batch * 2, cfg.max_iters)
         if cancel.is_set():
             raise ProbeCancelled(spec.name)
     iters = iterations_for_window(float(np.median(warm)), cfg.window_s, cfg.min_iters,

@@ -87,19 +87,24 @@ class Store:
             self._db = sqlite3.connect(str(self.path), check_same_thread=False,
                                        isolation_level=None, timeout=30.0)
             self._db.row_factory = sqlite3.Row
+            self._check_version()
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 logger.warning("store %s: journal mode is %s, not WAL", self.path, mode)
             # NORMAL in WAL mode survives a process crash; only power loss may drop the tail.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
+        except StoreError:
+            self._db.close()
+            raise
         except (sqlite3.Error, OSError) as e:
             raise StoreError(f"cannot open store {self.path}: {e}") from e
         self._lock = threading.RLock()
         self._migrate()
 
     # ------------------------------------------------------------- schema
-    def _migrate(self) -> None:
+    def _check_version(self) -> int:
+        """Refuse a file that is not SQLite or is from a newer gemmd, before touching it."""
         try:
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as e:
@@ -107,6 +112,10 @@ class Store:
         if version > SCHEMA_VERSION:
             raise StoreError(f"store {self.path} has schema version {version}, newer than this "
                              f"gemmd understands ({SCHEMA_VERSION}); upgrade gemmd")
+        return version
+
+    def _migrate(self) -> None:
+        version = self._check_version()
         for v in range(version, SCHEMA_VERSION):
             logger.info("store %s: migrating schema %d -> %d", self.path, v, v + 1)
             with self._lock:
@@ -222,7 +231,7 @@ class Store:
             args.append(since)
         sql = "SELECT * FROM probes" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY ts DESC, id DESC"
-        if limit:
+        if limit is not None:
             sql += f" LIMIT {int(limit)}"
         return self._query(sql, args)
 

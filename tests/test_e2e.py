@@ -17,6 +17,8 @@ def _db_rows(db) -> int:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
     try:
         return con.execute("SELECT COUNT(*) FROM probes").fetchone()[0]
+    except sqlite3.OperationalError:  # created, not yet migrated
+        return 0
     finally:
         con.close()
 

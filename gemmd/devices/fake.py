@@ -7,10 +7,12 @@ NVML's, only moves in 100 ms steps. Time is simulated (no sleeping) unless ``rea
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +107,8 @@ class FakeDevice(Device):
         self._sim_offset = 0.0  # simulated seconds added to the real clock
         self._energy = 0.0  # exact integral, J
         self._energy_t = self._start
-        self._reported = 0.0
+        # Energy breakpoints of the last few seconds (older ones are never asked for).
+        self._points: deque[tuple[float, float]] = deque([(self._start, 0.0)], maxlen=4096)
         self._power = self.model.idle_w
         self._calls = 0
         self._closed = threading.Event()
@@ -113,22 +116,29 @@ class FakeDevice(Device):
 
     # -- faults and state -------------------------------------------------------
     def _slowdown(self) -> float:
-        active = time.monotonic() - self._start >= self.cfg.slowdown_after_s
+        # On the device's own clock, so simulated time counts too.
+        active = self.clock() - self._start >= self.cfg.slowdown_after_s
         return self.cfg.slowdown_factor if active else 1.0
 
     def clock(self) -> float:
         return time.monotonic() + self._sim_offset
 
     def _advance(self, seconds: float, power: float) -> None:
-        """Integrate energy: idle since the last event, then ``power`` for ``seconds``."""
+        """Integrate energy: idle since the last event, then ``power`` for ``seconds``.
+
+        Breakpoints (time, exact energy) bound linear pieces (constant power), so the
+        energy at any past step boundary can be read back exactly.
+        """
         now = self.clock()
         self._energy += self.model.idle_w * max(0.0, now - self._energy_t)
-        self._energy += power * seconds
+        self._points.append((now, self._energy))
         if self._realtime:
             time.sleep(seconds)
         else:
             self._sim_offset += seconds
-        self._energy_t = self.clock()
+        self._energy += power * seconds
+        self._energy_t = now + seconds
+        self._points.append((self._energy_t, self._energy))
         self._power = power
 
     # -- Device -----------------------------------------------------------------
@@ -190,15 +200,21 @@ class FakeDevice(Device):
         return min(p, m.tdp_w)
 
     def energy_j(self) -> float | None:
-        """Counter as NVML reports it: the value at the last 100 ms step boundary."""
+        """Counter as NVML reports it: the exact energy at the last 100 ms step boundary."""
         with self._lock:
             now = self.clock()
-            exact = self._energy + self.model.idle_w * max(0.0, now - self._energy_t)
-            step_t = math.floor((now - self._start) / _ENERGY_STEP_S) * _ENERGY_STEP_S
-            lag = (now - self._start) - step_t
-            # Monotonic, like the hardware counter, even when the power level just changed.
-            self._reported = max(self._reported, exact - self._power * lag)
-            return self._reported
+            b = self._start + math.floor((now - self._start) / _ENERGY_STEP_S) * _ENERGY_STEP_S
+            return self._energy_at(b)
+
+    def _energy_at(self, t: float) -> float:
+        pts = self._points
+        if t >= self._energy_t:  # idle since the last run
+            return self._energy + self.model.idle_w * (t - self._energy_t)
+        i = bisect.bisect_right(pts, (t, math.inf))  # first breakpoint after t
+        if i == 0:
+            return pts[0][1] if pts else 0.0
+        (t0, e0), (t1, e1) = pts[i - 1], pts[min(i, len(pts) - 1)]
+        return e0 if t1 <= t0 else e0 + (e1 - e0) * (t - t0) / (t1 - t0)
 
     def power_w(self) -> float | None:
         return self._power

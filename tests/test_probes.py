@@ -1,0 +1,253 @@
+"""Probe specs, plans and the measurement protocol (gemmd/probes.py); no real device."""
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from gemmd.config import ExplorationConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
+from gemmd.devices.fake import MODELS, FakeDevice
+from gemmd.errors import ProbeCancelled, UnsupportedProbe
+from gemmd.probes import (
+    ProbeSpec,
+    build_plan,
+    check_result,
+    check_tolerance,
+    energy_figures,
+    exploration_specs,
+    iteration_stats,
+    iterations_for_window,
+    measure,
+)
+
+# ------------------------------------------------------------------ ProbeSpec
+
+
+def test_spec_fp32_figures():
+    s = ProbeSpec(1024, 2048, 512, "fp32")
+    assert s.flops == 2 * 1024 * 2048 * 512
+    assert s.bytes == 4 * (1024 * 512 + 512 * 2048) + 4 * 1024 * 2048
+    assert s.intensity == pytest.approx(s.flops / s.bytes)
+    assert s.name == "blas-fp32-nn-1024x2048x512"
+
+
+def test_spec_fp8_output_counts_two_bytes():
+    s = ProbeSpec(64, 32, 16, "fp8")
+    assert s.bytes == 1 * (64 * 16 + 16 * 32) + 2 * 64 * 32
+
+
+@pytest.mark.parametrize("dtype, width", [("fp64", 8), ("bf16", 2), ("fp16", 2), ("tf32", 4)])
+def test_spec_bytes_per_dtype(dtype, width):
+    s = ProbeSpec(10, 20, 30, dtype)
+    assert s.bytes == width * (10 * 30 + 30 * 20 + 10 * 20)
+
+
+def test_spec_intensity_grows_with_size():
+    assert ProbeSpec(4096, 4096, 4096).intensity > ProbeSpec(256, 256, 256).intensity
+
+
+def test_spec_name_and_labels_tiled():
+    s = ProbeSpec(1024, 1024, 1024, "fp32", "tiled", 16, "nn")
+    assert s.name == "tiled16-fp32-nn-1024x1024x1024"
+    assert s.labels() == {"probe": s.name, "m": "1024", "n": "1024", "k": "1024",
+                          "dtype": "fp32", "kernel": "tiled", "tile": "16", "layout": "nn"}
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def test_iterations_for_window_bounds():
+    assert iterations_for_window(0.01, 1.0, 3, 1000) == 100
+    assert iterations_for_window(0.003, 1.0, 3, 1000) == 334  # ceil
+    assert iterations_for_window(2.0, 1.0, 3, 1000) == 3  # slow: min_iters
+    assert iterations_for_window(1e-9, 1.0, 3, 1000) == 1000  # fast: max_iters
+    assert iterations_for_window(0.0, 1.0, 3, 1000) == 1000  # zero: max_iters
+
+
+def test_iterations_for_window_infinitely_slow_is_min_iters():
+    assert iterations_for_window(math.inf, 1.0, 3, 1000) == 3
+
+
+def test_iteration_stats_known_values():
+    st = iteration_stats([1.0, 2.0, 3.0, 4.0, 10.0])
+    assert st["runtime_s"] == 3.0
+    assert st["runtime_mean_s"] == 4.0
+    assert st["runtime_min_s"] == 1.0
+    assert st["runtime_p90_s"] == pytest.approx(7.6)  # linear interpolation 4 + 0.6 * 6
+    assert st["runtime_cv"] == pytest.approx(math.sqrt(10.0) / 4.0)
+    assert iteration_stats([2.0, 2.0])["runtime_cv"] == 0.0
+
+
+def test_energy_figures():
+    assert energy_figures(None, 5.0, 1.0, 10) == (None, None)
+    assert energy_figures(5.0, None, 1.0, 10) == (None, None)
+    assert energy_figures(5.0, 5.0, 1.0, 10) == (None, None)  # counter did not move
+    assert energy_figures(9.0, 5.0, 1.0, 10) == (None, None)  # went backwards
+    assert energy_figures(0.0, 5.0, 0.0, 10) == (None, None)
+    assert energy_figures(0.0, 5.0, 1.0, 0) == (None, None)
+    e, p = energy_figures(100.0, 400.0, 2.0, 50)
+    assert e == pytest.approx(6.0) and p == pytest.approx(150.0)
+
+
+def test_check_tolerance_orders():
+    assert check_tolerance("fp32", 4096) > check_tolerance("fp32", 256)
+    assert check_tolerance("bf16", 256) > check_tolerance("fp16", 256) > \
+        check_tolerance("fp32", 256) > check_tolerance("fp64", 256)
+    assert check_tolerance("tf32", 256) > check_tolerance("fp32", 256)
+
+
+def _gemm(seed=0, m=64, n=48, k=256):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c = a @ b
+    rows = rng.choice(m, size=8, replace=False)
+    a64, b64 = a[rows].astype(np.float64), b.astype(np.float64)
+    return c[rows].copy(), a64 @ b64, np.abs(a64) @ np.abs(b64), k
+
+
+def test_check_result_correct_fp32_gemm_passes():
+    c, ref, abs_ref, k = _gemm()
+    ok, err = check_result(c, ref, abs_ref, "fp32", k)
+    assert ok and 0 <= err <= check_tolerance("fp32", k)
+
+
+def test_check_result_one_corrupted_entry_fails():
+    c, ref, abs_ref, k = _gemm()
+    i, j = np.unravel_index(np.argmax(np.abs(c)), c.shape)
+    c[i, j] *= 1.01
+    ok, err = check_result(c, ref, abs_ref, "fp32", k)
+    assert not ok and err > check_tolerance("fp32", k)
+
+
+def test_check_result_nan_fails():
+    c, ref, abs_ref, k = _gemm()
+    c[2, 3] = np.nan
+    assert check_result(c, ref, abs_ref, "fp32", k) == (False, math.inf)
+
+
+# ------------------------------------------------------------------ plans
+
+
+def fake(model="H100-SXM", **kw):
+    return FakeDevice(0, FakeDeviceConfig(model=model), **kw)
+
+
+def test_build_plan_skips_other_backends_and_drops_unsupported():
+    groups = [
+        ProbeGroup(shapes=((512, 512, 512),), dtypes=("fp64",), backends=("cpu",)),
+        ProbeGroup(shapes=((1024, 1024, 1024),), dtypes=("fp32", "fp8"), backends=("fake",)),
+        ProbeGroup(shapes=((1024, 1024, 1024),), dtypes=("fp32",)),  # duplicate, all backends
+        ProbeGroup(shapes=((256, 256, 256),), dtypes=("bf16",), kernels=("tiled",)),
+    ]
+    plan, dropped = build_plan(groups, fake("A100-SXM"))
+    assert plan == [ProbeSpec(1024, 1024, 1024, "fp32")]
+    assert set(dropped) == {ProbeSpec(1024, 1024, 1024, "fp8"),
+                            ProbeSpec(256, 256, 256, "bf16", "tiled", 16)}
+    assert "no fp8 support" in dropped[ProbeSpec(1024, 1024, 1024, "fp8")]
+    assert "fp32 only" in dropped[ProbeSpec(256, 256, 256, "bf16", "tiled", 16)]
+
+
+def test_build_plan_expansion_rules():
+    g = ProbeGroup(shapes=((1024, 1024, 1024),), dtypes=("fp32",), kernels=("blas", "tiled"),
+                   tiles=(16, 32), layouts=("nn", "tt"))
+    plan, dropped = build_plan([g, g], fake())
+    assert dropped == {}
+    assert plan == [
+        ProbeSpec(1024, 1024, 1024, "fp32", "blas", 0, "nn"),
+        ProbeSpec(1024, 1024, 1024, "fp32", "blas", 0, "tt"),
+        ProbeSpec(1024, 1024, 1024, "fp32", "tiled", 16, "nn"),
+        ProbeSpec(1024, 1024, 1024, "fp32", "tiled", 32, "nn"),
+    ]
+
+
+def test_build_plan_memory_budget_drop():
+    g = ProbeGroup(shapes=((8192, 8192, 8192),), dtypes=("fp32",))
+    plan, dropped = build_plan([g], fake(memory_budget=64 << 20))
+    assert plan == [] and "memory budget" in next(iter(dropped.values()))
+
+
+def test_exploration_specs_ranges_align_and_groups():
+    groups = [
+        ExplorationConfig(per_round=3, m=(256, 8192), n=(128, 1024), k=(64, 640), align=64,
+                          dtypes=("fp32", "bf16"), kernels=("blas", "tiled"), tiles=(8, 16),
+                          layouts=("nn", "tn"), backends=("fake",)),
+        ExplorationConfig(per_round=50, dtypes=("fp64",), backends=("cpu",)),  # not for fake
+    ]
+    dev, rng = fake(), np.random.default_rng(1234)
+    seen = []
+    for _ in range(40):
+        specs = exploration_specs(groups, dev, rng)
+        assert len(specs) == 3
+        seen.extend(specs)
+    for s in seen:
+        assert 256 <= s.m <= 8192 and 128 <= s.n <= 1024 and 64 <= s.k <= 640
+        assert s.m % 64 == 0 and s.n % 64 == 0 and s.k % 64 == 0
+        assert s.dtype in ("fp32", "bf16")  # never the cpu group's fp64
+        assert dev.unsupported_reason(s) is None  # tiled+bf16 draws were redrawn
+        if s.kernel == "tiled":
+            assert s.tile in (8, 16) and s.layout == "nn"
+        else:
+            assert s.tile == 0 and s.layout in ("nn", "tn")
+    assert len({s.m for s in seen}) > 10  # really random, not one value
+    assert {s.kernel for s in seen} == {"blas", "tiled"}
+    # Seeded: the same seed draws the same first round.
+    assert exploration_specs(groups, fake(), np.random.default_rng(1234)) == seen[:3]
+
+
+def test_exploration_narrow_range_stays_in_range():
+    g = ExplorationConfig(per_round=20, m=(100, 120), n=(100, 120), k=(100, 120), align=64)
+    for s in exploration_specs([g], fake(), np.random.default_rng(0)):
+        assert all(100 <= d <= 120 for d in (s.m, s.n, s.k))
+
+
+def test_exploration_gives_up_when_nothing_is_supported():
+    g = ExplorationConfig(per_round=4, dtypes=("fp8",))
+    assert exploration_specs([g], fake("A100-SXM"), np.random.default_rng(0)) == []
+
+
+# ------------------------------------------------------------------ measure
+
+
+def test_measure_on_fake_device():
+    dev = fake()
+    spec = ProbeSpec(1024, 1024, 1024, "fp32")
+    cfg = MeasureConfig(window_s=1.0)
+    m = measure(dev, spec, cfg, check=True)
+    # The fake's clock is simulated: the window is the simulated device time, ~1 s.
+    assert m.window_s == pytest.approx(1.0, rel=0.03)
+    assert m.iterations >= cfg.min_iters
+    assert m.iterations * m.runtime_mean_s == pytest.approx(m.window_s, rel=0.01)
+    assert m.energy_j is not None and m.power_w is not None
+    model = MODELS["H100-SXM"]
+    assert model.idle_w < m.power_w <= model.tdp_w
+    # energy per GEMM and average power come from the same counter delta, so
+    # energy_j == power_w * window / iterations; window/iterations is runtime_mean_s up to
+    # the (real) time between the clock reads. 10% leaves room for that and is far tighter
+    # than any unit mix-up (ms vs s, per-window vs per-GEMM).
+    assert m.energy_j == pytest.approx(m.power_w * m.runtime_mean_s, rel=0.10)
+    # The counter only moves in 100 ms steps, so over a 1 s window the average power can be
+    # off the instantaneous draw by up to ~10%; it must still be in the same ballpark.
+    assert m.power_w == pytest.approx(m.power_sample_w, rel=0.15)
+    assert m.check_ok is True
+    assert m.tflops == pytest.approx(spec.flops / m.runtime_s / 1e12)
+    assert m.context["before"]["sm_clock_hz"] > 0 and "after" in m.context
+
+
+def test_measure_min_iters_for_slow_probe():
+    m = measure(fake(), ProbeSpec(8192, 8192, 8192, "fp32", "tiled", 16),
+                MeasureConfig(window_s=0.01, min_iters=5))
+    assert m.iterations == 5
+
+
+def test_measure_cancelled():
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(ProbeCancelled):
+        measure(fake(), ProbeSpec(1024, 1024, 1024), MeasureConfig(), cancel=cancel)
+
+
+def test_measure_unsupported_raises():
+    with pytest.raises(UnsupportedProbe):
+        measure(fake("A100-SXM"), ProbeSpec(1024, 1024, 1024, "fp8"), MeasureConfig())
