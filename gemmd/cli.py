@@ -156,11 +156,20 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return EXIT_RUNTIME if failed else 0
 
 
+RESULT_COLUMNS = (
+    "gpu", "gpu_model", "kind", "m", "n", "k", "dtype", "kernel", "tile", "layout", "probe",
+    "outcome", "error", "iterations", "window_s", "runtime_s", "runtime_cv", "tflops",
+    "power_w", "energy_j", "power_sample_w", "check_ok", "check_error", "sm_clock_hz",
+    "temperature_c", "clock_event_reasons", "pred_runtime_s", "pred_runtime_lo",
+    "pred_runtime_hi", "pred_power_w", "pred_energy_j")
+
+
 def _result_row(d, r) -> dict[str, Any]:
     m, p = r.measurement, r.prediction
-    row: dict[str, Any] = {"gpu": d.info.index, "gpu_model": d.info.name, "kind": r.kind,
-                           **dataclasses.asdict(r.spec), "probe": r.spec.name,
-                           "outcome": r.outcome, "error": r.error}
+    row: dict[str, Any] = dict.fromkeys(RESULT_COLUMNS)
+    row |= {"gpu": d.info.index, "gpu_model": d.info.name, "kind": r.kind,
+            **dataclasses.asdict(r.spec), "probe": r.spec.name, "outcome": r.outcome,
+            "error": r.error}
     if m is not None:
         row.update(iterations=m.iterations, window_s=m.window_s, runtime_s=m.runtime_s,
                    runtime_cv=m.runtime_cv, tflops=m.tflops, power_w=m.power_w,
@@ -197,9 +206,7 @@ def _print_rows(rows: list[dict[str, Any]], fmt: str, model_version: str) -> Non
     if fmt == "csv":
         import csv
 
-        cols = sorted({k for r in rows for k in r}, key=lambda c: list(rows[0]).index(c)
-                      if c in rows[0] else 999)
-        w = csv.DictWriter(sys.stdout, fieldnames=cols, lineterminator="\n")
+        w = csv.DictWriter(sys.stdout, fieldnames=RESULT_COLUMNS, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
         return

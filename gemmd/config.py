@@ -180,6 +180,9 @@ class Config:
     store: StoreConfig = _f(StoreConfig())
     fake: FakeConfig = _f(FakeConfig())
     log_level: str = _f("info", choices=("debug", "info", "warning", "error"))
+    # Where probes run: "process" (a worker per device: a hang or a broken CUDA context is
+    # killed and restarted), "thread" (in the daemon), or "auto" (process for nvidia).
+    isolation: str = _f("auto", choices=("auto", "process", "thread"))
 
     def resolved_state_dir(self) -> Path:
         if self.state_dir != "auto":

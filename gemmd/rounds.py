@@ -20,7 +20,7 @@ from gemmd.config import Config
 from gemmd.devices.base import Device
 from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
 from gemmd.model import Prediction
-from gemmd.probes import Measurement, ProbeSpec, as_row, build_plan, exploration_specs, measure
+from gemmd.probes import Measurement, ProbeSpec, as_row, build_plan, exploration_specs
 from gemmd.registry import ModelRegistry
 from gemmd.state import ProbeState, State
 from gemmd.store import Store
@@ -110,7 +110,7 @@ class DeviceRunner:
             with self.state.lock:
                 ds.in_flight_since, ds.in_flight = time.time(), spec.name
             try:
-                m = measure(self.device, spec, mcfg, check=check, cancel=self.cancel)
+                m = self.device.measure(spec, mcfg, check=check, cancel=self.cancel)
             except ProbeCancelled:
                 break
             except UnsupportedProbe as e:

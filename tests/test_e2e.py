@@ -123,6 +123,28 @@ def test_sigterm_abandons_a_hung_probe_within_10s(tmp_path, daemon_factory):
     assert "abandoned" in d.read_log()
 
 
+def test_process_isolation_kills_a_hung_probe_and_keeps_probing(tmp_path, daemon_factory):
+    port, state = free_port(), tmp_path / "state"
+    cfg = write_config(tmp_path / "gemmd.yaml", **merge(FAST_FAKE, {
+        "listen": {"port": port}, "state_dir": str(state), "isolation": "process",
+        "probes": {"measure": {"timeout_s": 2}},
+        "fake": {"devices": [{"hang_on_call": 3}, {}]}}))
+    d = daemon_factory(cfg)
+
+    def failed_on_gpu0():
+        m = scrape(port)
+        return sum(s.value for s in _labels_of(m["gemmd_probes_total"], gpu="0",
+                                               outcome="failed"))
+
+    wait_for(failed_on_gpu0, 40, "the hung probe on GPU 0 to be killed and counted", d)
+    m = scrape(port)
+    assert sum(s.value for s in _labels_of(m["gemmd_probes_total"], gpu="1", outcome="ok")) >= 5
+    log = d.read_log()
+    assert "did not return within 2 s; worker killed" in log
+    rc, took = d.terminate()
+    assert rc == 0 and took < 10, (rc, took)
+
+
 def test_default_config_on_cpu_serves_measured_and_predicted(tmp_path, daemon_factory):
     """The README's run command: repo defaults, no GPU -> CPU backend, series within 60 s."""
     port = free_port()

@@ -38,16 +38,23 @@ def open_devices(cfg: Config) -> list[Device]:
     if cfg.backend == "fake":
         from gemmd.devices.fake import FakeDevice
 
-        devs: list[Device] = [
-            FakeDevice(i, d, seed=cfg.fake.seed, noise=cfg.fake.noise,
-                       realtime=cfg.fake.realtime, memory_budget=budget)
-            for i, d in enumerate(cfg.fake.devices)]
+        kw = [{"index": i, "cfg": d, "seed": cfg.fake.seed, "noise": cfg.fake.noise,
+               "realtime": cfg.fake.realtime, "memory_budget": budget}
+              for i, d in enumerate(cfg.fake.devices)]
+        if cfg.isolation == "process":
+            from gemmd.devices.worker import WorkerDevice
+
+            devs: list[Device] = [WorkerDevice(("fake", k), f"GPU {k['index']}") for k in kw]
+        else:
+            devs = [FakeDevice(**k) for k in kw]
         return select(devs, cfg.devices)
     if cfg.backend in ("auto", "nvidia"):
         from gemmd.devices import nvidia
 
         try:
-            found = nvidia.open_all(memory_budget=budget)
+            found = nvidia.open_all(memory_budget=budget, seed=cfg.model.seed,
+                                    isolation="thread" if cfg.isolation == "thread"
+                                    else "process")
         except DeviceUnavailable as e:
             if cfg.backend == "nvidia":
                 raise

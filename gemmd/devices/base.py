@@ -8,9 +8,12 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gemmd.probes import ProbeSpec
+from gemmd.probes import Measurement, ProbeSpec
+
+if TYPE_CHECKING:
+    from gemmd.config import MeasureConfig
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,13 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def check(self, spec: ProbeSpec) -> tuple[bool, float]:
         """Compare the last output of ``spec`` with a reference: (ok, worst scaled error)."""
+
+    def measure(self, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool = False,
+                cancel: threading.Event | None = None) -> Measurement:
+        """Run the measurement protocol here (a worker-process device runs it remotely)."""
+        from gemmd.probes import measure
+
+        return measure(self, spec, cfg, check=check, cancel=cancel)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and handles."""

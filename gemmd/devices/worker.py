@@ -1,0 +1,213 @@
+"""Run a device in its own process, so a hung probe or a poisoned CUDA context is killed.
+
+The parent keeps a ``WorkerDevice`` that forwards calls over a pipe; the whole measurement
+protocol runs inside the child. A call that outlives its deadline, or a child that dies,
+becomes a DeviceError; the child is killed and started afresh on the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from typing import Any
+
+from gemmd.config import MeasureConfig
+from gemmd.devices.base import Device, DeviceInfo
+from gemmd.errors import DeviceError, DeviceUnavailable, GemmdError, ProbeCancelled
+from gemmd.probes import Measurement, ProbeSpec
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0  # importing CuPy and creating a CUDA context can take a while
+CALL_TIMEOUT_S = 30.0  # any call but measure
+_ERRORS = {c.__name__: c for c in (DeviceError, DeviceUnavailable, GemmdError, ProbeCancelled)}
+
+
+def build_device(factory: tuple) -> Device:
+    """Construct a device from a picklable recipe; runs in the child."""
+    kind, kwargs = factory
+    if kind == "nvidia":
+        from gemmd.devices.nvidia import NvidiaDevice
+
+        return NvidiaDevice(**kwargs)
+    if kind == "fake":
+        from gemmd.devices.fake import FakeDevice
+
+        return FakeDevice(**kwargs)
+    raise ValueError(f"unknown device kind {kind!r}")
+
+
+def _serve(conn: Any, factory: tuple) -> None:
+    """Child main loop: build the device, then answer calls until told to stop."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    try:
+        dev = build_device(factory)
+    except Exception as e:
+        conn.send(("err", type(e).__name__, str(e)))
+        return
+    conn.send(("ok", dev.info))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        if method == "stop":
+            break
+        try:
+            if method == "measure":
+                spec, cfg, check = args
+                result: Any = dev.measure(spec, cfg, check=check)
+            elif method == "run":
+                result = dev.run(*args, threading.Event())
+            else:
+                result = getattr(dev, method)(*args)
+            conn.send(("ok", result))
+        except GemmdError as e:
+            conn.send(("err", type(e).__name__, str(e)))
+        except Exception as e:  # a bug or vendor error not translated: keep the evidence
+            conn.send(("err", "DeviceError", f"{type(e).__name__}: {e}\n"
+                                             f"{traceback.format_exc(limit=5)}"))
+    try:
+        dev.close()
+    except Exception:
+        pass
+
+
+class WorkerDevice(Device):
+    """A Device whose calls run in a child process (spawned, never forked)."""
+
+    def __init__(self, factory: tuple, label: str):
+        self.factory = factory
+        self.label = label
+        self._ctx = mp.get_context("spawn")
+        self._proc: Any = None
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        self.restarts = 0
+        self.info: DeviceInfo = self._start()
+
+    # ----------------------------------------------------------------- process
+    def _start(self) -> DeviceInfo:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_serve, args=(child, self.factory),
+                                 name=f"gemmd-{self.label}", daemon=True)
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        try:
+            info = self._receive(START_TIMEOUT_S, "start")
+        except DeviceError:
+            self._kill()
+            raise
+        logger.debug("%s: worker pid %d started", self.label, proc.pid)
+        return info
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = self._conn = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _receive(self, timeout: float, what: str,
+                 cancel: threading.Event | None = None) -> Any:
+        deadline = time.monotonic() + timeout
+        proc, conn = self._proc, self._conn  # close() may clear them from another thread
+        while True:
+            if cancel is not None and cancel.is_set():
+                self._kill()  # abandoning a probe mid-window: the child is stopped
+                raise ProbeCancelled(what)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._kill()
+                raise DeviceError(f"{self.label}: {what} did not return within {timeout:g} s; "
+                                  "worker killed (hung probe or driver)")
+            try:
+                ready = conn.poll(min(left, 0.1))
+            except (OSError, ValueError, AttributeError):
+                ready = True
+            if not ready:
+                if not proc.is_alive():
+                    code = proc.exitcode
+                    self._kill()
+                    raise DeviceError(f"{self.label}: worker died during {what} "
+                                      f"(exit code {code})")
+                continue
+            try:
+                status, *payload = conn.recv()
+            except (EOFError, OSError, ValueError, AttributeError) as e:
+                code = proc.exitcode
+                self._kill()
+                raise DeviceError(f"{self.label}: worker died during {what} "
+                                  f"(exit code {code})") from e
+            if status == "ok":
+                return payload[0]
+            name, message = payload
+            raise _ERRORS.get(name, DeviceError)(message)
+
+    def _call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S,
+              cancel: threading.Event | None = None) -> Any:
+        with self._lock:
+            if self._proc is None:
+                self.restarts += 1
+                logger.warning("%s: restarting worker (restart %d)", self.label, self.restarts)
+                self.info = self._start()
+            try:
+                self._conn.send((method, args))
+            except (OSError, ValueError) as e:
+                self._kill()
+                raise DeviceError(f"{self.label}: worker unreachable: {e}") from e
+            return self._receive(timeout, method, cancel)
+
+    # ----------------------------------------------------------------- Device
+    def measure(self, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool = False,
+                cancel: threading.Event | None = None) -> Measurement:
+        return self._call("measure", spec, cfg, check, timeout=cfg.timeout_s, cancel=cancel)
+
+    def unsupported_reason(self, spec: ProbeSpec) -> str | None:
+        return self._call("unsupported_reason", spec)
+
+    def busy_reason(self) -> str | None:
+        return self._call("busy_reason")
+
+    def context(self) -> dict[str, Any]:
+        return self._call("context")
+
+    def check(self, spec: ProbeSpec) -> tuple[bool, float]:
+        return self._call("check", spec)
+
+    def prepare(self, spec: ProbeSpec) -> None:
+        self._call("prepare", spec)
+
+    def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
+        return self._call("run", spec, iterations, cancel=cancel)
+
+    def clock(self) -> float:
+        return self._call("clock")
+
+    def energy_j(self) -> float | None:
+        return self._call("energy_j")
+
+    def power_w(self) -> float | None:
+        return self._call("power_w")
+
+    def close(self) -> None:
+        """Ask the child to stop; kill it if it doesn't (e.g. hung in a kernel)."""
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(("stop", ()))
+        except (OSError, ValueError):
+            pass
+        self._proc.join(2)
+        self._kill()

@@ -1,0 +1,110 @@
+"""Worker-process devices: a hung or dead worker is killed, reported and restarted."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from gemmd.config import FakeDeviceConfig, MeasureConfig
+from gemmd.devices.worker import WorkerDevice
+from gemmd.errors import DeviceError, ProbeCancelled
+from gemmd.probes import ProbeSpec
+
+SPEC = ProbeSpec(1024, 1024, 1024, "bf16")
+FAST = MeasureConfig(window_s=0.1, warmup_s=0.0, timeout_s=3.0)
+
+
+def _worker(**fake):
+    kwargs = {"index": 0, "cfg": FakeDeviceConfig(**fake), "seed": 0, "noise": 0.01,
+              "realtime": False, "memory_budget": 1 << 30}
+    return WorkerDevice(("fake", kwargs), "GPU 0")
+
+
+@pytest.fixture
+def worker():
+    devs = []
+
+    def make(**fake):
+        d = _worker(**fake)
+        devs.append(d)
+        return d
+
+    yield make
+    for d in devs:
+        d.close()
+
+
+def test_measures_in_the_child_process(worker):
+    d = worker()
+    assert d.pid and d.pid != os.getpid()
+    assert d.info.backend == "fake" and d.info.sm_count == 132
+    m = d.measure(SPEC, FAST, check=True)
+    assert m.iterations > 100 and m.energy_j and m.check_ok is True
+    assert d.unsupported_reason(ProbeSpec(64, 64, 64, "fp16", "tiled", 16))
+    assert d.busy_reason() is None and d.context()["sm_clock_hz"] > 0
+
+
+def test_device_error_in_child_is_raised_in_parent_and_worker_survives(worker):
+    d = worker(fail_on_call=1)
+    pid = d.pid
+    with pytest.raises(DeviceError, match="injected failure"):
+        d.measure(SPEC, FAST)
+    assert d.pid == pid  # an error is not a crash: same worker
+
+
+def test_hung_probe_is_killed_at_the_timeout_and_worker_restarted(worker):
+    d = worker(hang_on_call=1)
+    pid = d.pid
+    t0 = time.monotonic()
+    with pytest.raises(DeviceError, match="did not return within 3 s; worker killed"):
+        d.measure(SPEC, FAST)
+    assert 3.0 <= time.monotonic() - t0 < 8.0
+    assert d.pid is None  # killed
+    # The next call starts a fresh worker (a call that runs no GEMM, so it doesn't hang).
+    assert d.busy_reason() is None
+    assert d.pid not in (None, pid) and d.restarts == 1
+
+
+def test_dead_worker_is_reported_and_replaced(worker):
+    d = worker()
+    pid = d.pid
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    with pytest.raises(DeviceError, match="worker died|unreachable"):
+        d.measure(SPEC, FAST)
+    m = d.measure(SPEC, FAST)
+    assert m.runtime_s > 0 and d.pid != pid
+
+
+def test_cancel_abandons_the_probe_and_kills_the_worker(worker):
+    d = worker(hang_on_call=1)
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(ProbeCancelled):
+        d.measure(SPEC, dataclasses.replace(FAST, timeout_s=60), cancel=cancel)
+    assert time.monotonic() - t0 < 3.0 and d.pid is None
+
+
+def test_close_kills_a_hung_worker(worker):
+    d = worker(hang_on_call=1)
+    proc = d._proc
+    t = threading.Thread(target=lambda: pytest.raises(
+        (DeviceError, ProbeCancelled), d.measure, SPEC, dataclasses.replace(FAST, timeout_s=60)))
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    d.close()
+    assert time.monotonic() - t0 < 5.0 and not proc.is_alive()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_worker_start_failure_is_a_clear_error():
+    with pytest.raises(DeviceError, match="unknown device kind 'nope'"):
+        WorkerDevice(("nope", {}), "GPU 9")
