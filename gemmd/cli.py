@@ -22,7 +22,7 @@ from typing import Any
 
 from gemmd import __version__
 from gemmd.config import DTYPES, KERNELS, LAYOUTS, Config, ProbeGroup, load
-from gemmd.errors import ConfigError, GemmdError
+from gemmd.errors import ConfigError, GemmdError, InputError
 
 logger = logging.getLogger("gemmd")
 
@@ -274,6 +274,42 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rebaseline(args: argparse.Namespace) -> int:
+    """Accept the current behaviour of devices as their new normal."""
+    from gemmd.daemon import REBASELINE_REQUEST
+    from gemmd.store import Store
+
+    cfg = _load_config(args)
+    state_dir = cfg.resolved_state_dir()
+    db = state_dir / "gemmd.db"
+    if not db.is_file():
+        raise GemmdError(f"no store at {db} (has gemmd run there? see state_dir)")
+    store = Store(db)
+    try:
+        known = store.devices()
+        uuids: list[str] | None = None
+        if args.device:
+            uuids = []
+            for sel in args.device:
+                hit = [d["uuid"] for d in known if d["uuid"] == sel or str(d["idx"]) == sel]
+                if not hit:
+                    have = ", ".join(f"{d['idx']}={d['uuid']}" for d in known) or "none"
+                    raise InputError(f"--device {sel}: no such device in {db} (known: {have})")
+                uuids.extend(h for h in hit if h not in uuids)
+        n = store.unflag(uuids)
+    finally:
+        store.close()
+    req = state_dir / REBASELINE_REQUEST
+    tmp = req.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"devices": uuids, "ts": time.time()}))
+    os.replace(tmp, req)
+    who = ", ".join(uuids) if uuids else "all devices"
+    print(f"rebaseline {who}: {n} stored result(s) taken while drifting now count for "
+          "training; a running daemon resets its drift references within 5 s (otherwise at "
+          "its next start)")
+    return 0
+
+
 def _age(s: float) -> str:
     for unit, f in (("d", 86400), ("h", 3600), ("m", 60)):
         if s >= f:
@@ -349,6 +385,17 @@ def build_parser() -> argparse.ArgumentParser:
     cc = sub.add_parser("check-config", parents=[common], help="validate a configuration")
     cc.add_argument("file", nargs="?", help="file to check (default: --config)")
     cc.set_defaults(func=cmd_check_config)
+
+    rb = sub.add_parser("rebaseline", parents=[common],
+                        help="accept devices' current behaviour as their new normal")
+    rb.add_argument("--device", action="append", default=[],
+                    help="index or UUID (repeatable; default: every device)")
+    rb.set_defaults(func=cmd_rebaseline)
+
+    # The model's offline commands (fit, evaluate, predict, advise, import, report).
+    from gemmd import cli_model
+
+    cli_model.add_commands(sub, common)
     return p
 
 

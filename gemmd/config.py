@@ -139,6 +139,19 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DriftConfig:
+    """CUSUM on model residuals; see gemmd/drift.py for the arithmetic."""
+
+    shift: float = _f(0.05, min=0.001, max=10.0)  # relative change to detect (0.05 = 5%)
+    h: float = _f(5.0, min=0.1, max=1000.0)  # alarm threshold
+    baseline_probes: int = _f(10, min=2, max=10000)
+    min_scale: float = _f(0.01, min=0.0001, max=1.0)  # floor of the residual scale (log)
+    accept_after_s: float = _f(0.0, min=0.0, max=1e9)  # 0 = wait for `gemmd rebaseline`
+    targets: tuple[str, ...] = _f(("runtime", "power", "energy"),
+                                  choices=("runtime", "power", "energy"))
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     retention_days: float = _f(90.0, min=0.01, max=36500.0)
     max_rows: int = _f(1_000_000, min=100, max=1_000_000_000)
@@ -177,6 +190,7 @@ class Config:
     schedule: ScheduleConfig = _f(ScheduleConfig())
     budget: BudgetConfig = _f(BudgetConfig())
     model: ModelConfig = _f(ModelConfig())
+    drift: DriftConfig = _f(DriftConfig())
     store: StoreConfig = _f(StoreConfig())
     fake: FakeConfig = _f(FakeConfig())
     log_level: str = _f("info", choices=("debug", "info", "warning", "error"))

@@ -7,6 +7,7 @@ stop within ``STOP_TIMEOUT_S``; a probe that does not return in time is abandone
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -21,8 +22,10 @@ from prometheus_client import start_http_server
 
 from gemmd.config import Config
 from gemmd.devices import Device, open_devices
+from gemmd.drift import DriftMonitor, DriftParams, residual_of
 from gemmd.errors import GemmdError
 from gemmd.exporter import make_registry
+from gemmd.features import spec_of
 from gemmd.probes import Measurement
 from gemmd.registry import ModelRegistry
 from gemmd.rounds import DeviceRunner
@@ -32,6 +35,8 @@ from gemmd.store import Store
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 8.0  # leaves headroom under systemd's and the tests' 10 s
+REBASELINE_REQUEST = "rebaseline.request"  # written by `gemmd rebaseline`
+_COL = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
 
 
 def sd_notify(message: str) -> bool:
@@ -84,6 +89,12 @@ class Daemon:
         self.devices = devices if devices is not None else open_devices(cfg)
         if not self.devices:
             raise GemmdError("no devices to probe (check 'devices' and 'backend')")
+        self.state.probe_interval_s = cfg.schedule.probe_interval_s
+        d = cfg.drift
+        self.state.drift = DriftMonitor(
+            DriftParams(shift=d.shift, h=d.h, baseline_probes=d.baseline_probes,
+                        min_scale=d.min_scale, accept_after_s=d.accept_after_s,
+                        targets=d.targets), self.state_dir / "drift.json")
         self.cancel = threading.Event()
         self.stopping = threading.Event()
         self._first_fit = threading.Event()
@@ -100,6 +111,9 @@ class Daemon:
     # ----------------------------------------------------------------- start
     def start(self) -> None:
         self.registry.load_active()
+        if self.state.drift.model_version != self.registry.current.version:
+            self._rereference()
+        self._apply_rebaseline_request()
         self._restore()
         self._serve()
         cfg = self.cfg.schedule
@@ -164,6 +178,7 @@ class Daemon:
             runner.run_round()
         except Exception:  # one device's bug must never stop the others
             logger.exception("GPU %s: probe round crashed", runner.device.info.index)
+        self._save_drift()
         if self.registry.current.kind == "roofline" and self.scheduler and \
                 not self.stopping.is_set() and not self._first_fit.is_set():
             # First model as soon as enough data exists, not an hour later.
@@ -178,6 +193,8 @@ class Daemon:
         try:
             outcome = self.registry.refit()
             logger.info("refit: %s", outcome)
+            if outcome == "accepted":
+                self._rereference()
             if outcome == "insufficient_data":
                 self._first_fit.clear()  # try again after the next round
         except Exception as e:
@@ -191,7 +208,68 @@ class Daemon:
         except Exception as e:
             logger.error("store: prune failed: %s", e)
 
+    def _save_drift(self) -> None:
+        try:
+            with self.state.lock:
+                self.state.drift.save()
+        except OSError as e:
+            logger.error("cannot save drift state: %s", e)
+
+    def _rereference(self) -> None:
+        """Re-take drift references under the current model from stored healthy results.
+
+        Results taken while a device was flagged are not used, so a degradation that is
+        in alarm stays in alarm across a refit.
+        """
+        drift = self.state.drift
+        n = max(drift.p.baseline_probes * 2, 10)
+        infos = {r.device.info.uuid: r.device.info for r in self.runners}
+        with self.state.lock:
+            keys = list(drift.tracks)
+        by_dev: dict[str, list] = {}
+        for uuid, spec, target in keys:
+            by_dev.setdefault(uuid, []).append((spec, target))
+        for uuid, pairs in by_dev.items():
+            info = infos.get(uuid)
+            if info is None:
+                continue
+            rows = self.store.probes(device_uuid=uuid, limit=5000)
+            for spec, target in pairs:
+                mine = [r for r in rows if r["kind"] == "sentinel" and spec_of(r) == spec][:n]
+                preds, _ = self.registry.predict([spec] * len(mine), [info] * len(mine))
+                res = [residual_of(r[_COL[target]], getattr(p, _COL[target]))
+                       for r, p in zip(mine, preds)]
+                res = [x for x in res if x is not None]
+                sigma = preds[0].sigma.get(target, 0.0) if preds else 0.0
+                with self.state.lock:
+                    drift.rereference(uuid, spec, target, res, sigma)
+        with self.state.lock:
+            drift.model_version = self.registry.current.version
+        self._save_drift()
+        logger.info("drift references re-taken under model %s", self.registry.current.version)
+
+    def _apply_rebaseline_request(self) -> None:
+        path = self.state_dir / REBASELINE_REQUEST
+        if not path.exists():
+            return
+        try:
+            req = json.loads(path.read_text())
+            uuids = req.get("devices")
+        except (OSError, ValueError) as e:
+            logger.error("ignoring unreadable %s: %s", path, e)
+            path.unlink(missing_ok=True)
+            return
+        with self.state.lock:
+            for uuid in uuids if uuids is not None else [None]:
+                self.state.drift.rebaseline(uuid)
+        self.store.unflag(uuids)
+        path.unlink(missing_ok=True)
+        self._save_drift()
+        logger.warning("rebaseline of %s: drift references reset; results taken while "
+                       "drifting now count for training", ", ".join(uuids or ["all devices"]))
+
     def _watchdog(self) -> None:
+        self._apply_rebaseline_request()
         timeout = self.cfg.probes.measure.timeout_s
         for r in self.runners:
             since = self.state.devices[r.device.info.uuid].in_flight_since

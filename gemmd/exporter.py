@@ -8,6 +8,7 @@ divide them directly; label values come from the probe plan, never from unbounde
 from __future__ import annotations
 
 import logging
+import math
 import platform
 import time
 from collections.abc import Iterator
@@ -62,7 +63,8 @@ class GemmdCollector(Collector):
                                 value=self._last_duration)
 
     def _collect(self) -> Iterator[Metric]:
-        devices, probes, model, store_errors = self.state.snapshot()
+        snap = self.state.snapshot()
+        devices, probes, model = snap.devices, snap.probes, snap.model
         info = GaugeMetricFamily("gemmd_build_info", "gemmd build information",
                                  labels=("version", "python_version"))
         info.add_metric([__version__, platform.python_version()], 1)
@@ -70,9 +72,14 @@ class GemmdCollector(Collector):
         yield GaugeMetricFamily("gemmd_start_time_seconds",
                                 "Unix time the daemon started", value=self.state.started)
         yield CounterMetricFamily("gemmd_store_errors", "Probe results that could not be "
-                                  "written to the store", value=store_errors)
+                                  "written to the store", value=snap.store_errors_total)
+        if snap.probe_interval_s:
+            yield GaugeMetricFamily("gemmd_probe_interval_seconds",
+                                    "Configured time between probe rounds of a device",
+                                    value=snap.probe_interval_s)
         yield from self._devices(devices)
         yield from self._probes(devices, probes)
+        yield from self._drift(devices, snap)
         yield from self._model(model)
 
     def _devices(self, devices: list[DeviceState]) -> Iterator[Metric]:
@@ -185,6 +192,58 @@ class GemmdCollector(Collector):
             fam("gemmd_probe_last_timestamp_seconds", "Unix time of the last measurement"
                 ).add_metric(lv, ps.ts)
         yield from fams.values()
+
+    def _drift(self, devices: list[DeviceState], snap) -> Iterator[Metric]:
+        by_uuid = {d.info.uuid: d for d in devices}
+        labels = (*DEVICE_LABELS, *PROBE_LABELS, "target")
+        cusum = GaugeMetricFamily(
+            "gemmd_probe_drift_cusum", "CUSUM of standardized residuals (alarm above "
+            "gemmd_drift_threshold)", labels=labels)
+        z = GaugeMetricFamily("gemmd_probe_drift_zscore",
+                              "Latest residual, in residual scales from its reference",
+                              labels=labels)
+        ref = GaugeMetricFamily(
+            "gemmd_probe_drift_reference_ratio", "Measured/predicted ratio taken as normal "
+            "for this device and probe (its baseline)", labels=labels)
+        scale = GaugeMetricFamily("gemmd_probe_drift_scale",
+                                  "Residual scale: max(model sigma, probe noise, floor), "
+                                  "log units", labels=labels)
+        drifting = GaugeMetricFamily("gemmd_probe_drifting",
+                                     "1 while this probe's target is in drift alarm",
+                                     labels=labels)
+        alarms: dict[tuple, int] = {}
+        dev_drift = {d.info.uuid: 0 for d in devices}
+        for (uuid, spec, target), tr in sorted(snap.drift.items(),
+                                               key=lambda x: (x[0][0], x[0][1], x[0][2])):
+            d = by_uuid.get(uuid)
+            if d is None:
+                continue
+            dl = _dev_labels(d)
+            alarms[(*dl, target)] = alarms.get((*dl, target), 0) + tr.alarms
+            if not tr.ready():
+                continue
+            lv = [*dl, *(spec.labels()[k] for k in PROBE_LABELS), target]
+            cusum.add_metric(lv, tr.cusum)
+            if tr.last_z is not None:
+                z.add_metric(lv, tr.last_z)
+            ref.add_metric(lv, math.exp(tr.reference))
+            scale.add_metric(lv, tr.scale or 0.0)
+            drifting.add_metric(lv, 1.0 if tr.drifting else 0.0)
+            dev_drift[uuid] = max(dev_drift[uuid], int(tr.drifting))
+        dev = GaugeMetricFamily("gemmd_device_drifting",
+                                "1 while any probe of the device is in drift alarm (its "
+                                "results are then kept out of refits)", labels=DEVICE_LABELS)
+        for d in devices:
+            dev.add_metric(_dev_labels(d), dev_drift[d.info.uuid])
+        total = CounterMetricFamily("gemmd_drift_alarms", "Drift alarms raised",
+                                    labels=(*DEVICE_LABELS, "target"))
+        for d in devices:
+            for target in ("runtime", "power", "energy"):
+                key = (*_dev_labels(d), target)
+                total.add_metric(list(key), alarms.get(key, 0))
+        yield from (cusum, z, ref, scale, drifting, dev, total)
+        yield GaugeMetricFamily("gemmd_drift_threshold", "CUSUM alarm threshold (drift.h)",
+                                value=snap.drift_threshold)
 
     def _model(self, model) -> Iterator[Metric]:
         info = GaugeMetricFamily("gemmd_model_info", "The model predictions come from",

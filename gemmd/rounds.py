@@ -7,6 +7,7 @@ for that device only; consecutive failed rounds mark it down and back off its re
 from __future__ import annotations
 
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -18,6 +19,7 @@ import numpy as np
 
 from gemmd.config import Config
 from gemmd.devices.base import Device
+from gemmd.drift import measured_of, predicted_of
 from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
 from gemmd.model import Prediction
 from gemmd.probes import Measurement, ProbeSpec, as_row, build_plan, exploration_specs
@@ -188,6 +190,20 @@ class DeviceRunner:
             self._ds.probes_total[(kind, "failed")] += 1
         return Result(spec, kind, "failed", error=error)
 
+    def _log_alarm(self, spec: ProbeSpec, target: str, tr: Any, m: Measurement,
+                   p: Prediction) -> None:
+        """One line with what an operator needs first: how far off, and the context."""
+        meas, pred = measured_of(m)[target], predicted_of(p)[target]
+        after = m.context.get("after") or {}
+        clock = after.get("sm_clock_hz")
+        logger.warning(
+            "GPU %s: %s %s drifting: measured/predicted %.3f, normal %.3f for this card "
+            "(z %.1f, CUSUM %.1f); SM clock %s, temperature %s, clock events %s",
+            self.device.info.index, spec.name, target, meas / pred, math.exp(tr.reference),
+            tr.last_z or 0.0, tr.cusum, f"{clock / 1e9:.2f} GHz" if clock else "?",
+            f"{after['temperature_c']:.0f} C" if "temperature_c" in after else "?",
+            ",".join(after.get("clock_event_reasons", [])) or "none")
+
     def _record(self, spec: ProbeSpec, kind: str, m: Measurement) -> Result:
         info = self.device.info
         try:
@@ -199,10 +215,20 @@ class DeviceRunner:
         if outcome == "mismatch":
             logger.error("GPU %s: probe %s returned wrong results (scaled error %.3g): possible "
                          "silent data corruption", info.index, spec.name, m.check_error)
+        raised: list[str] = []
+        with self.state.lock:
+            drift = self.state.drift
+            if kind == "sentinel" and outcome == "ok":
+                raised = drift.observe(info.uuid, spec, measured_of(m), predicted_of(pred),
+                                       pred.sigma)
+            flagged = drift.device_drifting(info.uuid)
+            tracks = {t: drift.tracks.get((info.uuid, spec, t)) for t in raised}
+        for target in raised:
+            self._log_alarm(spec, target, tracks[target], m, pred)
         row = self._base_row(spec, kind)
         row.update(as_row(m))
         row.update(outcome=outcome, pred_runtime_s=pred.runtime_s, pred_power_w=pred.power_w,
-                   pred_energy_j=pred.energy_j, model_version=version)
+                   pred_energy_j=pred.energy_j, model_version=version, flagged=flagged)
         self._save(row)
         with self.state.lock:
             ds = self._ds

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gemmd.devices.base import DeviceInfo
+from gemmd.drift import DriftMonitor, DriftParams, Track
 from gemmd.model import Prediction
 from gemmd.probes import Measurement, ProbeSpec
 
@@ -65,15 +66,28 @@ class State:
         self.probes: dict[tuple[str, ProbeSpec], ProbeState] = {}
         self.model = ModelState()
         self.store_errors_total = 0
+        self.drift: DriftMonitor = DriftMonitor(DriftParams())
+        self.probe_interval_s: float | None = None
 
     def add_device(self, info: DeviceInfo) -> None:
         with self.lock:
             self.devices.setdefault(info.uuid, DeviceState(info=info))
 
-    def snapshot(self) -> tuple[list[DeviceState], list[tuple[str, ProbeState]], ModelState,
-                                int]:
+    def snapshot(self) -> Snapshot:
         """A consistent copy for one scrape."""
         with self.lock:
-            return (copy.deepcopy(list(self.devices.values())),
-                    [(uuid, copy.copy(p)) for (uuid, _), p in self.probes.items()],
-                    copy.deepcopy(self.model), self.store_errors_total)
+            return Snapshot(copy.deepcopy(list(self.devices.values())),
+                            [(uuid, copy.copy(p)) for (uuid, _), p in self.probes.items()],
+                            copy.deepcopy(self.model), self.store_errors_total,
+                            self.drift.snapshot(), self.drift.p.h, self.probe_interval_s)
+
+
+@dataclass
+class Snapshot:
+    devices: list[DeviceState]
+    probes: list[tuple[str, ProbeState]]
+    model: ModelState
+    store_errors_total: int
+    drift: dict[tuple[str, ProbeSpec, str], Track]
+    drift_threshold: float
+    probe_interval_s: float | None

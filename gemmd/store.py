@@ -192,6 +192,16 @@ class Store:
             self._db.execute("UPDATE models SET active = (version = ?)", (version,))
             self._db.execute("COMMIT")
 
+    def unflag(self, uuids: Sequence[str] | None = None) -> int:
+        """Make results taken while drifting usable for training again (rebaseline)."""
+        with self._lock:
+            if uuids is None:
+                return self._db.execute("UPDATE probes SET flagged = 0 WHERE flagged = 1"
+                                        ).rowcount
+            marks = ", ".join("?" for _ in uuids)
+            return self._db.execute(f"UPDATE probes SET flagged = 0 WHERE flagged = 1 AND "
+                                    f"device_uuid IN ({marks})", list(uuids)).rowcount
+
     def prune(self, retention_days: float, max_rows: int, now: float | None = None) -> int:
         """Delete probes older than the retention or beyond max_rows (oldest first)."""
         now = time.time() if now is None else now

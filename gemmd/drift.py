@@ -1,0 +1,207 @@
+"""Residual tracking and drift alarms per device, probe and target.
+
+residual  r = log(measured / predicted)                       (per probe result)
+reference r0 = median of r over the first ``baseline_probes`` healthy results: a card's
+               steady offset from the model (silicon lottery, cooling) is not drift
+scale     s = max(the probe's own noise in the baseline (1.4826 x MAD), min_scale), and
+               the model's log-space sigma too when ``use_model_sigma``
+z         = (r - r0) / s
+CUSUM     S = max(0, S + z - k), k = log(1 + shift) / (2 s): half the shift to detect, in
+               scales (the textbook choice); alarm while S > h; clears when S is back at 0.
+
+Only the upper side alarms: slower, hungrier, more joules. A device with any alarm is
+"flagged": results stored meanwhile are kept out of refits until an operator re-baselines
+(or ``accept_after_s`` passes). State is saved to a JSON file so a restart does not take
+a degraded card as its new baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemmd.probes import ProbeSpec
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("runtime", "power", "energy")
+_ATTR = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
+
+
+@dataclass
+class Track:
+    """Drift state of one (device, probe, target)."""
+
+    baseline: list[float] = field(default_factory=list)  # residuals while (re)baselining
+    reference: float | None = None  # r0
+    scale: float | None = None
+    cusum: float = 0.0
+    last_z: float | None = None
+    drifting: bool = False
+    since: float | None = None  # when the current alarm started
+    alarms: int = 0
+
+    def ready(self) -> bool:
+        return self.reference is not None
+
+
+def robust_std(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    if len(xs) < 2:
+        return 0.0
+    med = statistics.median(xs)
+    return 1.4826 * statistics.median(abs(x - med) for x in xs)
+
+
+def update(track: Track, residual: float, model_sigma: float, *, shift: float, h: float,
+           baseline_probes: int, min_scale: float, now: float,
+           use_model_sigma: bool = False) -> bool:
+    """Feed one log-residual; returns True when this result raised a new alarm. Pure."""
+    if not track.ready():
+        track.baseline.append(residual)
+        if len(track.baseline) >= baseline_probes:
+            track.reference = statistics.median(track.baseline)
+            track.scale = max(robust_std(track.baseline), min_scale,
+                              model_sigma if use_model_sigma else 0.0)
+            track.baseline = []
+        return False
+    scale = max(track.scale or min_scale, min_scale)
+    z = (residual - track.reference) / scale
+    k = math.log1p(shift) / (2 * scale)
+    track.last_z = z
+    track.cusum = max(0.0, track.cusum + z - k)
+    if not track.drifting and track.cusum > h:
+        track.drifting, track.since = True, now
+        track.alarms += 1
+        return True
+    if track.drifting and track.cusum == 0.0:
+        track.drifting, track.since = False, None
+    return False
+
+
+def residual_of(measured: float | None, predicted: float | None) -> float | None:
+    if not measured or not predicted or measured <= 0 or predicted <= 0:
+        return None
+    return math.log(measured / predicted)
+
+
+@dataclass(frozen=True)
+class DriftParams:
+    shift: float = 0.05
+    h: float = 5.0
+    baseline_probes: int = 10
+    min_scale: float = 0.01
+    accept_after_s: float = 0.0
+    targets: tuple[str, ...] = TARGETS
+    use_model_sigma: bool = False
+
+
+class DriftMonitor:
+    """All tracks of a daemon; thread-safe use is the caller's (under State.lock)."""
+
+    def __init__(self, params: DriftParams, path: Path | None = None):
+        self.p = params
+        self.path = path
+        self.tracks: dict[tuple[str, ProbeSpec, str], Track] = {}
+        self.model_version: str | None = None  # the model the references were taken under
+        if path is not None and path.exists():
+            self._load(path)
+
+    # ------------------------------------------------------------------ updates
+    def observe(self, uuid: str, spec: ProbeSpec, measured: Mapping[str, float | None],
+                predicted: Mapping[str, float | None], sigma: Mapping[str, float],
+                now: float | None = None) -> list[str]:
+        """Feed one probe result; returns the targets that raised a new alarm."""
+        now = time.time() if now is None else now
+        raised = []
+        for target in self.p.targets:
+            r = residual_of(measured.get(target), predicted.get(target))
+            if r is None:
+                continue
+            tr = self.tracks.setdefault((uuid, spec, target), Track())
+            if update(tr, r, sigma.get(target, 0.0), shift=self.p.shift, h=self.p.h,
+                      baseline_probes=self.p.baseline_probes, min_scale=self.p.min_scale,
+                      now=now, use_model_sigma=self.p.use_model_sigma):
+                raised.append(target)
+        if self.p.accept_after_s and self.device_drifting(uuid):
+            since = min(t.since for (u, _, _), t in self.tracks.items()
+                        if u == uuid and t.drifting and t.since is not None)
+            if now - since >= self.p.accept_after_s:
+                logger.warning("device %s drifting for %.0f s: accepting its behaviour as the "
+                               "new normal (drift.accept_after_s)", uuid, now - since)
+                self.rebaseline(uuid)
+        return raised
+
+    def device_drifting(self, uuid: str) -> bool:
+        return any(t.drifting for (u, _, _), t in self.tracks.items() if u == uuid)
+
+    def rebaseline(self, uuid: str | None = None) -> int:
+        """Forget references (of one device, or all): the next results set new ones."""
+        n = 0
+        for key in list(self.tracks):
+            if uuid is None or key[0] == uuid:
+                self.tracks[key] = Track(alarms=self.tracks[key].alarms)
+                n += 1
+        return n
+
+    def rereference(self, uuid: str, spec: ProbeSpec, target: str,
+                    residuals: list[float], model_sigma: float) -> None:
+        """New reference from past healthy residuals under a new model; alarm state kept."""
+        tr = self.tracks.setdefault((uuid, spec, target), Track())
+        if len(residuals) < self.p.baseline_probes:
+            if not tr.drifting:
+                self.tracks[(uuid, spec, target)] = Track(alarms=tr.alarms)
+            return
+        tr.reference = statistics.median(residuals)
+        tr.scale = max(robust_std(residuals), self.p.min_scale,
+                       model_sigma if self.p.use_model_sigma else 0.0)
+        tr.baseline = []
+
+    # ------------------------------------------------------------------ persistence
+    def save(self) -> None:
+        if self.path is None:
+            return
+        data = {"version": 1, "model_version": self.model_version, "tracks": [
+            {"uuid": u, "spec": asdict(s), "target": t, **asdict(tr)}
+            for (u, s, t), tr in self.tracks.items()]}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".drift-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _load(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_text())
+            self.model_version = data.get("model_version")
+            for rec in data["tracks"]:
+                key = (rec.pop("uuid"), ProbeSpec(**rec.pop("spec")), rec.pop("target"))
+                self.tracks[key] = Track(**rec)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # A damaged state file must not stop the daemon: start over, loudly.
+            logger.error("drift state %s unreadable (%s): references will be re-established",
+                         path, e)
+            self.tracks = {}
+
+    def snapshot(self) -> dict[tuple[str, ProbeSpec, str], Track]:
+        return {k: Track(**asdict(v)) for k, v in self.tracks.items()}
+
+
+def measured_of(m: Any) -> dict[str, float | None]:
+    return {t: getattr(m, _ATTR[t]) for t in TARGETS}
+
+
+def predicted_of(p: Any) -> dict[str, float | None]:
+    return {t: getattr(p, _ATTR[t]) for t in TARGETS}
