@@ -143,7 +143,8 @@ class DriftConfig:
     """CUSUM on model residuals; see gemmd/drift.py for the arithmetic."""
 
     shift: float = _f(0.05, min=0.001, max=10.0)  # relative change to detect (0.05 = 5%)
-    h: float = _f(5.0, min=0.1, max=1000.0)  # alarm threshold
+    # Healthy results between false alarms of one probe x target, on average.
+    arl0: float = _f(5e6, min=10.0, max=1e15)
     baseline_probes: int = _f(10, min=2, max=10000)
     min_scale: float = _f(0.01, min=0.0001, max=1.0)  # floor of the residual scale (log)
     accept_after_s: float = _f(0.0, min=0.0, max=1e9)  # 0 = wait for `gemmd rebaseline`
@@ -174,6 +175,9 @@ class FakeConfig:
     devices: tuple[FakeDeviceConfig, ...] = _f((FakeDeviceConfig(), FakeDeviceConfig()))
     seed: int = _f(0, min=0, max=2**31 - 1)
     noise: float = _f(0.01, min=0.0, max=1.0)  # lognormal sigma of runtime
+    # Lognormal sigma of a factor drawn per run() call: real GEMM times vary more between
+    # runs (clocks, temperature) than within one.
+    jitter: float = _f(0.0, min=0.0, max=1.0)
     # Sleep for the simulated time (demos); tests run on simulated time only.
     realtime: bool = _f(False)
 

@@ -18,13 +18,12 @@ from pathlib import Path
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
-from prometheus_client import start_http_server
 
 from gemmd.config import Config
 from gemmd.devices import Device, open_devices
 from gemmd.drift import DriftMonitor, DriftParams, residual_of
 from gemmd.errors import GemmdError
-from gemmd.exporter import make_registry
+from gemmd.exporter import Exposition, serve
 from gemmd.features import spec_of
 from gemmd.probes import Measurement
 from gemmd.registry import ModelRegistry
@@ -92,12 +91,13 @@ class Daemon:
         self.state.probe_interval_s = cfg.schedule.probe_interval_s
         d = cfg.drift
         self.state.drift = DriftMonitor(
-            DriftParams(shift=d.shift, h=d.h, baseline_probes=d.baseline_probes,
+            DriftParams(shift=d.shift, arl0=d.arl0, baseline_probes=d.baseline_probes,
                         min_scale=d.min_scale, accept_after_s=d.accept_after_s,
                         targets=d.targets), self.state_dir / "drift.json")
         self.cancel = threading.Event()
         self.stopping = threading.Event()
         self._first_fit = threading.Event()
+        self._refit_lock = threading.Lock()
         self.runners: list[DeviceRunner] = []
         for d in self.devices:
             self.store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
@@ -142,7 +142,7 @@ class Daemon:
     def _serve(self) -> None:
         addr, port = self.cfg.listen.address, self.cfg.listen.port
         try:
-            self.httpd, _ = start_http_server(port, addr, registry=make_registry(self.state))
+            self.httpd = serve(Exposition(self.state), addr, port)
         except OSError as e:
             raise GemmdError(f"listen {addr}:{port}: {e.strerror or e}") from e
         self.port = self.httpd.server_port
@@ -188,10 +188,14 @@ class Daemon:
                 self.scheduler.add_job(self.refit, id="first-fit", name="first fit")
 
     def refit(self) -> None:
+        with self._refit_lock:
+            self._refit()
+
+    def _refit(self) -> None:
         if self.stopping.is_set():
             return
         try:
-            outcome = self.registry.refit()
+            outcome = self.registry.refit(cancel=self.stopping)
             logger.info("refit: %s", outcome)
             if outcome == "accepted":
                 self._rereference()
@@ -305,6 +309,12 @@ class Daemon:
                 clean = False
                 logger.warning("GPU %s: probe did not stop in time; abandoned",
                                r.device.info.index)
+        # A refit cannot be interrupted inside scikit-learn: wait until the deadline, then
+        # leave it (it registers nothing once stopping is set) and keep the store open.
+        refit_done = self._refit_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        if not refit_done:
+            clean = False
+            logger.warning("refit still running at shutdown; abandoned")
         for d in self.devices:
             try:
                 d.close()
@@ -313,7 +323,9 @@ class Daemon:
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
-        self.store.close()
+        if refit_done:
+            self.store.close()
+            self._refit_lock.release()
         logger.info("stopped")
         return clean
 

@@ -3,11 +3,19 @@
 residual  r = log(measured / predicted)                       (per probe result)
 reference r0 = median of r over the first ``baseline_probes`` healthy results: a card's
                steady offset from the model (silicon lottery, cooling) is not drift
-scale     s = max(the probe's own noise in the baseline (1.4826 x MAD), min_scale), and
-               the model's log-space sigma too when ``use_model_sigma``
+scale     s = the probe's own long-run noise: sqrt(var (1 + rho) / (1 - rho)), var and
+               lag-1 autocorrelation rho first from the baseline (robustly), then learnt
+               slowly (EWMA, alpha 0.02) from results taken while the CUSUM was at 0,
+               winsorized at 4 s; at least min_scale (and the model's log-space sigma when
+               ``use_model_sigma``). Correlated noise (temperature, clocks) makes a CUSUM
+               alarm far more often than iid theory says; the rho term accounts for it.
 z         = (r - r0) / s
 CUSUM     S = max(0, S + z - k), k = log(1 + shift) / (2 s): half the shift to detect, in
                scales (the textbook choice); alarm while S > h; clears when S is back at 0.
+threshold h from the wanted in-control average run length (``arl0``, healthy results
+               between false alarms of one track) by Siegmund's approximation
+               ARL0 = (exp(2kb) - 2kb - 1) / (2k^2), b = h + 1.166: a fixed h would give a
+               noisy probe (small k) a false alarm every few days.
 
 Only the upper side alarms: slower, hungrier, more joules. A device with any alarm is
 "flagged": results stored meanwhile are kept out of refits until an operator re-baselines
@@ -49,6 +57,10 @@ class Track:
     drifting: bool = False
     since: float | None = None  # when the current alarm started
     alarms: int = 0
+    h: float | None = None  # alarm threshold for this track's k
+    var: float = 0.0  # noise variance of the residual (log units squared)
+    cov: float = 0.0  # lag-1 autocovariance
+    prev: float = 0.0  # last deviation from the reference
 
     def ready(self) -> bool:
         return self.reference is not None
@@ -62,23 +74,66 @@ def robust_std(xs: Iterable[float]) -> float:
     return 1.4826 * statistics.median(abs(x - med) for x in xs)
 
 
-def update(track: Track, residual: float, model_sigma: float, *, shift: float, h: float,
+ALPHA = 0.02  # noise learning rate: about the last 50 in-control results
+RHO_MAX = 0.9
+
+
+def long_run_scale(var: float, cov: float, floor: float) -> float:
+    """Std of the mean level a CUSUM integrates: inflated by positive autocorrelation."""
+    rho = min(max(cov / var, 0.0), RHO_MAX) if var > 0 else 0.0
+    return max(floor, math.sqrt(max(var, 0.0) * (1 + rho) / (1 - rho)))
+
+
+def threshold(k: float, arl0: float) -> float:
+    """CUSUM threshold h giving an in-control average run length ``arl0`` for allowance k."""
+    k = max(k, 1e-3)
+    b = 1.0
+    # Fixed point of b = log(2k^2 ARL0 + 2kb + 1) / 2k: contraction ~1/(2k^2 ARL0), so a
+    # few steps reach machine precision.
+    for _ in range(20):
+        nb = math.log(2 * k * k * arl0 + 2 * k * b + 1) / (2 * k)
+        if abs(nb - b) < 1e-12:
+            break
+        b = nb
+    return max(nb - 1.166, 0.5)
+
+
+def set_reference(track: Track, residuals: list[float], floor: float) -> None:
+    """Reference, noise and autocorrelation from a run of healthy residuals."""
+    track.reference = statistics.median(residuals)
+    devs = [r - track.reference for r in residuals]
+    track.var = robust_std(residuals) ** 2
+    pairs = list(zip(devs, devs[1:]))
+    track.cov = statistics.fmean(a * b for a, b in pairs) if pairs else 0.0
+    track.prev = devs[-1]
+    track.scale = long_run_scale(track.var, track.cov, floor)
+    track.baseline = []
+
+
+def update(track: Track, residual: float, model_sigma: float, *, shift: float, arl0: float,
            baseline_probes: int, min_scale: float, now: float,
            use_model_sigma: bool = False) -> bool:
     """Feed one log-residual; returns True when this result raised a new alarm. Pure."""
+    floor = max(min_scale, model_sigma if use_model_sigma else 0.0)
     if not track.ready():
         track.baseline.append(residual)
         if len(track.baseline) >= baseline_probes:
-            track.reference = statistics.median(track.baseline)
-            track.scale = max(robust_std(track.baseline), min_scale,
-                              model_sigma if use_model_sigma else 0.0)
-            track.baseline = []
+            set_reference(track, track.baseline, floor)
         return False
-    scale = max(track.scale or min_scale, min_scale)
-    z = (residual - track.reference) / scale
+    scale = max(track.scale or floor, floor)
+    dev = residual - track.reference
+    z = dev / scale
     k = math.log1p(shift) / (2 * scale)
     track.last_z = z
+    if track.cusum == 0.0 and not track.drifting:
+        # Learn the noise only while there is no evidence of a shift.
+        d = min(max(dev, -4 * scale), 4 * scale)
+        track.var = (1 - ALPHA) * track.var + ALPHA * d * d
+        track.cov = (1 - ALPHA) * track.cov + ALPHA * d * track.prev
+        track.scale = long_run_scale(track.var, track.cov, floor)
+    track.prev = dev
     track.cusum = max(0.0, track.cusum + z - k)
+    h = track.h = threshold(k, arl0)
     if not track.drifting and track.cusum > h:
         track.drifting, track.since = True, now
         track.alarms += 1
@@ -97,7 +152,7 @@ def residual_of(measured: float | None, predicted: float | None) -> float | None
 @dataclass(frozen=True)
 class DriftParams:
     shift: float = 0.05
-    h: float = 5.0
+    arl0: float = 5e6
     baseline_probes: int = 10
     min_scale: float = 0.01
     accept_after_s: float = 0.0
@@ -128,7 +183,7 @@ class DriftMonitor:
             if r is None:
                 continue
             tr = self.tracks.setdefault((uuid, spec, target), Track())
-            if update(tr, r, sigma.get(target, 0.0), shift=self.p.shift, h=self.p.h,
+            if update(tr, r, sigma.get(target, 0.0), shift=self.p.shift, arl0=self.p.arl0,
                       baseline_probes=self.p.baseline_probes, min_scale=self.p.min_scale,
                       now=now, use_model_sigma=self.p.use_model_sigma):
                 raised.append(target)
@@ -161,10 +216,8 @@ class DriftMonitor:
             if not tr.drifting:
                 self.tracks[(uuid, spec, target)] = Track(alarms=tr.alarms)
             return
-        tr.reference = statistics.median(residuals)
-        tr.scale = max(robust_std(residuals), self.p.min_scale,
-                       model_sigma if self.p.use_model_sigma else 0.0)
-        tr.baseline = []
+        set_reference(tr, list(reversed(residuals)),  # oldest first, as they happened
+                      max(self.p.min_scale, model_sigma if self.p.use_model_sigma else 0.0))
 
     # ------------------------------------------------------------------ persistence
     def save(self) -> None:

@@ -1,19 +1,33 @@
-"""Prometheus collector exposing the daemon's current state, and the HTTP server for it.
+"""Prometheus collectors exposing the daemon's current state, and the HTTP server for it.
 
 ``collect()`` reads only the in-memory State snapshot: no device, NVML or store call runs
 on a scrape. Measured and predicted values share identical label sets so that PromQL can
 divide them directly; label values come from the probe plan, never from unbounded data.
+
+Text formatting costs ~15 us per labelled sample in prometheus_client (bench/RESULTS.md),
+so the state's families are rendered once per state change and served from that cache;
+only the live gauges (probe in flight, self-metrics, process) are rendered per scrape.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
 import math
 import platform
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -41,26 +55,19 @@ def _dev_labels(d: DeviceState) -> list[str]:
 
 
 class GemmdCollector(Collector):
+    """Everything that changes only when the state does (cached between changes)."""
+
     def __init__(self, state: State):
         self.state = state
-        self._last_duration = 0.0
-        self._last_success = 1.0
+        self.last_success = 1.0
 
     def collect(self) -> Iterator[Metric]:
-        t0 = time.perf_counter()
         try:
             yield from self._collect()
-            self._last_success = 1.0
+            self.last_success = 1.0
         except Exception:  # a scrape must never fail on a bug in one family
             logger.exception("collect failed")
-            self._last_success = 0.0
-        self._last_duration = time.perf_counter() - t0
-        yield GaugeMetricFamily("gemmd_scrape_collector_success",
-                                "1 if the last collection of gemmd's own metrics succeeded",
-                                value=self._last_success)
-        yield GaugeMetricFamily("gemmd_scrape_collector_duration_seconds",
-                                "Time the previous collection of gemmd's metrics took",
-                                value=self._last_duration)
+            self.last_success = 0.0
 
     def _collect(self) -> Iterator[Metric]:
         snap = self.state.snapshot()
@@ -102,9 +109,6 @@ class GemmdCollector(Collector):
                                    labels=L)
         last = GaugeMetricFamily("gemmd_device_last_round_timestamp_seconds",
                                  "Unix time the last probe round ended", labels=L)
-        inflight = GaugeMetricFamily("gemmd_device_probe_in_flight_seconds",
-                                     "How long the probe now running has been running",
-                                     labels=L)
         ctx_fams = {
             "sm_clock_hz": GaugeMetricFamily("gemmd_device_sm_clock_hertz",
                                              "SM clock after the latest probe", labels=L),
@@ -118,7 +122,6 @@ class GemmdCollector(Collector):
         reasons = GaugeMetricFamily("gemmd_device_clock_event_active",
                                     "Clock-event (throttle) reasons active after the latest "
                                     "probe (1 = active)", labels=(*L, "reason"))
-        now = time.time()
         for d in devices:
             lv = _dev_labels(d)
             dinfo.add_metric([*lv, d.info.backend, str(d.info.sm_count or ""),
@@ -135,8 +138,6 @@ class GemmdCollector(Collector):
             busy.add_metric(lv, d.probe_seconds_total)
             if d.last_round_ts:
                 last.add_metric(lv, d.last_round_ts)
-            if d.in_flight_since is not None:
-                inflight.add_metric(lv, now - d.in_flight_since)
             for key, fam in ctx_fams.items():
                 v = d.context.get(key)
                 if key == "power_limit_w" and v is None:
@@ -145,7 +146,7 @@ class GemmdCollector(Collector):
                     fam.add_metric(lv, float(v))
             for r in d.context.get("clock_event_reasons", []):
                 reasons.add_metric([*lv, str(r)], 1)
-        yield from (dinfo, up, fails, plan, probes, skipped, rounds, busy, last, inflight,
+        yield from (dinfo, up, fails, plan, probes, skipped, rounds, busy, last,
                     *ctx_fams.values(), reasons)
 
     def _probes(self, devices: list[DeviceState], probes: list) -> Iterator[Metric]:
@@ -198,7 +199,10 @@ class GemmdCollector(Collector):
         labels = (*DEVICE_LABELS, *PROBE_LABELS, "target")
         cusum = GaugeMetricFamily(
             "gemmd_probe_drift_cusum", "CUSUM of standardized residuals (alarm above "
-            "gemmd_drift_threshold)", labels=labels)
+            "gemmd_probe_drift_threshold)", labels=labels)
+        thr = GaugeMetricFamily(
+            "gemmd_probe_drift_threshold", "CUSUM alarm threshold of this track, set by its "
+            "noise and drift.arl0", labels=labels)
         z = GaugeMetricFamily("gemmd_probe_drift_zscore",
                               "Latest residual, in residual scales from its reference",
                               labels=labels)
@@ -224,6 +228,8 @@ class GemmdCollector(Collector):
                 continue
             lv = [*dl, *(spec.labels()[k] for k in PROBE_LABELS), target]
             cusum.add_metric(lv, tr.cusum)
+            if tr.h is not None:
+                thr.add_metric(lv, tr.h)
             if tr.last_z is not None:
                 z.add_metric(lv, tr.last_z)
             ref.add_metric(lv, math.exp(tr.reference))
@@ -241,9 +247,7 @@ class GemmdCollector(Collector):
             for target in ("runtime", "power", "energy"):
                 key = (*_dev_labels(d), target)
                 total.add_metric(list(key), alarms.get(key, 0))
-        yield from (cusum, z, ref, scale, drifting, dev, total)
-        yield GaugeMetricFamily("gemmd_drift_threshold", "CUSUM alarm threshold (drift.h)",
-                                value=snap.drift_threshold)
+        yield from (cusum, thr, z, ref, scale, drifting, dev, total)
 
     def _model(self, model) -> Iterator[Metric]:
         info = GaugeMetricFamily("gemmd_model_info", "The model predictions come from",
@@ -276,10 +280,112 @@ class GemmdCollector(Collector):
                                     value=model.last_refit_ts)
 
 
+class LiveCollector(Collector):
+    """What changes between scrapes without a state change: rendered on every scrape."""
+
+    def __init__(self, state: State, gemmd: GemmdCollector):
+        self.state = state
+        self.gemmd = gemmd
+        self.last_duration = 0.0
+
+    def collect(self) -> Iterator[Metric]:
+        inflight = GaugeMetricFamily("gemmd_device_probe_in_flight_seconds",
+                                     "How long the probe now running has been running",
+                                     labels=DEVICE_LABELS)
+        now = time.time()
+        with self.state.lock.inner:
+            running = [(_dev_labels(d), d.in_flight_since) for d in self.state.devices.values()
+                       if d.in_flight_since is not None]
+        for lv, since in running:
+            inflight.add_metric(lv, now - since)
+        yield inflight
+        yield GaugeMetricFamily("gemmd_scrape_collector_success",
+                                "1 if the last collection of gemmd's own metrics succeeded",
+                                value=self.gemmd.last_success)
+        yield GaugeMetricFamily("gemmd_scrape_duration_seconds",
+                                "Time the previous /metrics response took to assemble, "
+                                "rendering included", value=self.last_duration)
+
+
 def make_registry(state: State, *, process: bool = True) -> CollectorRegistry:
-    """A fresh registry with gemmd's collector (and the standard process metrics)."""
+    """A fresh, uncached registry with all of gemmd's metrics (tests, one-off renders)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(GemmdCollector(state))
+    gemmd = GemmdCollector(state)
+    reg.register(gemmd)
+    reg.register(LiveCollector(state, gemmd))
     if process:
         ProcessCollector(registry=reg)
     return reg
+
+
+class Exposition:
+    """The /metrics body: the state's families re-rendered only after the state changed."""
+
+    def __init__(self, state: State, *, process: bool = True):
+        self.state = state
+        gemmd = GemmdCollector(state)
+        self.cached = CollectorRegistry(auto_describe=False)
+        self.cached.register(gemmd)
+        self.live_collector = LiveCollector(state, gemmd)
+        self.live = CollectorRegistry(auto_describe=False)
+        self.live.register(self.live_collector)
+        if process:
+            ProcessCollector(registry=self.live)
+        self._lock = threading.Lock()
+        self._version: int | None = None
+        self._text = b""
+        self._gzip: bytes | None = None
+        self.renders = 0
+
+    def body(self, gzip_ok: bool = False) -> bytes:
+        t0 = time.perf_counter()
+        with self._lock:
+            version = self.state.version  # read before rendering: a change during it re-renders
+            if version != self._version:
+                self._text, self._gzip, self._version = generate_latest(self.cached), None, version
+                self.renders += 1
+            if gzip_ok and self._gzip is None:
+                self._gzip = gzip.compress(self._text, 6)
+            cached = self._gzip if gzip_ok else self._text
+        live = generate_latest(self.live)
+        self.live_collector.last_duration = time.perf_counter() - t0
+        # Text format 0.0.4 is a plain sequence of families; gzip members concatenate.
+        return cached + (gzip.compress(live, 6) if gzip_ok else live)
+
+    def wsgi(self, environ: dict, start_response) -> list[bytes]:
+        path, method = environ.get("PATH_INFO", "/"), environ["REQUEST_METHOD"]
+        if method not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
+            return [b""]
+        if path == "/metrics":
+            gz = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
+            body = self.body(gz)
+            headers = [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))]
+            if gz:
+                headers.append(("Content-Encoding", "gzip"))
+            start_response("200 OK", headers)
+            return [body if method == "GET" else b""]
+        if path == "/":
+            body = b"<html><body><h1>gemmd</h1><a href='/metrics'>/metrics</a></body></html>"
+            start_response("200 OK", [("Content-Type", "text/html")])
+            return [body]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found; metrics are at /metrics\n"]
+
+
+class _Handler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # no access log on stderr
+        pass
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+def serve(exposition: Exposition, address: str, port: int) -> WSGIServer:
+    """Serve /metrics on a background thread; IPv6 addresses work too."""
+    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    server_cls = type("_Server", (_Server,), {"address_family": family})
+    httpd = make_server(address, port, exposition.wsgi, server_cls, handler_class=_Handler)
+    threading.Thread(target=httpd.serve_forever, name="gemmd-http", daemon=True).start()
+    return httpd

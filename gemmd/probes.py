@@ -195,6 +195,23 @@ def energy_figures(e0: float | None, e1: float | None, window_s: float, iteratio
     return delta / iterations, delta / window_s
 
 
+def power_between_steps(steps: Sequence[tuple[float, float]], window_s: float
+                        ) -> float | None:
+    """Average power between the first and last observed counter steps of a busy window.
+
+    NVML's counter moves in ~100 ms steps, so a window read at arbitrary times carries up to
+    a step of error at each end (about +-10% on a 1 s window). Between two observed steps
+    the energy is exact and only the host's polling latency (~1 ms) errs. Needs the steps
+    to span at least half of the window; else None (use the window delta).
+    """
+    if len(steps) < 2:
+        return None
+    (ta, ea), (tb, eb) = steps[0], steps[-1]
+    if tb - ta < 0.5 * window_s or eb <= ea:
+        return None
+    return (eb - ea) / (tb - ta)
+
+
 def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool = False,
             cancel: threading.Event | None = None) -> Measurement:
     """Run the measurement protocol for one spec on one device.
@@ -217,7 +234,7 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
                                   cfg.max_iters)
     ctx_before = device.context()
     e0, t0 = device.energy_j(), device.clock()
-    times = device.run(spec, iters, cancel)
+    times, steps = device.run_observed(spec, iters, cancel)
     e1, t1 = device.energy_j(), device.clock()
     power_sample = device.power_w()
     if cancel.is_set():
@@ -225,6 +242,12 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     ctx_after = device.context()
     window = t1 - t0
     energy, power = energy_figures(e0, e1, window, iters)
+    method = "window" if energy is not None else None
+    step_power = power_between_steps(steps, window)
+    if step_power is not None:
+        # Exact counter values at two observed steps while busy: no partial-step error.
+        power, energy, method = step_power, step_power * float(np.mean(times)), "steps"
+    ctx_after = dict(ctx_after, energy_method=method)
     m = Measurement(spec=spec, iterations=iters, window_s=window, energy_j=energy,
                     power_w=power, power_sample_w=power_sample,
                     context={"before": ctx_before, "after": ctx_after},

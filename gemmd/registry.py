@@ -96,16 +96,19 @@ class ModelRegistry:
         return model.predict(specs, infos), model.version
 
     # ------------------------------------------------------------- refitting
-    def refit(self, sources: Sequence[str] = ("daemon",), force: bool = False) -> str:
-        """Fit on stored probes; returns the outcome (accepted, rejected, insufficient_data)."""
-        outcome = self._refit(sources, force)
+    def refit(self, sources: Sequence[str] = ("daemon",), force: bool = False,
+              cancel: threading.Event | None = None) -> str:
+        """Fit on stored probes; returns the outcome (accepted, rejected, insufficient_data,
+        cancelled: shutdown began during the fit, nothing registered)."""
+        outcome = self._refit(sources, force, cancel)
         if self.state is not None:
             with self.state.lock:
                 self.state.model.refits_total[outcome] += 1
                 self.state.model.last_refit_ts = time.time()
         return outcome
 
-    def _refit(self, sources: Sequence[str], force: bool) -> str:
+    def _refit(self, sources: Sequence[str], force: bool,
+               cancel: threading.Event | None = None) -> str:
         rows, infos = training_data(self.store, sources)
         if len(rows) < self.cfg.min_samples:
             logger.info("refit: %d samples, need model.min_samples=%d", len(rows),
@@ -129,6 +132,9 @@ class ModelRegistry:
                                "probes is worse than current %s's %.2f%%", 100 * new_err,
                                len(unseen), old.version, 100 * old_err)
                 return "rejected"
+        if cancel is not None and cancel.is_set():
+            logger.info("refit: shutting down; the new model is not registered")
+            return "cancelled"
         self.register(new)
         return "accepted"
 

@@ -58,9 +58,26 @@ class ModelState:
     last_refit_ts: float | None = None
 
 
+class VersionedLock:
+    """The state's lock: every release after a ``with`` block marks the state changed, so
+    the exporter re-renders only when something may have changed."""
+
+    def __init__(self) -> None:
+        self.inner = threading.Lock()
+        self.version = 0
+
+    def __enter__(self) -> VersionedLock:
+        self.inner.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.version += 1
+        self.inner.release()
+
+
 class State:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = VersionedLock()
         self.started = time.time()
         self.devices: dict[str, DeviceState] = {}
         self.probes: dict[tuple[str, ProbeSpec], ProbeState] = {}
@@ -69,17 +86,21 @@ class State:
         self.drift: DriftMonitor = DriftMonitor(DriftParams())
         self.probe_interval_s: float | None = None
 
+    @property
+    def version(self) -> int:
+        return self.lock.version
+
     def add_device(self, info: DeviceInfo) -> None:
         with self.lock:
             self.devices.setdefault(info.uuid, DeviceState(info=info))
 
     def snapshot(self) -> Snapshot:
-        """A consistent copy for one scrape."""
-        with self.lock:
+        """A consistent copy for one scrape (reading does not mark a change)."""
+        with self.lock.inner:
             return Snapshot(copy.deepcopy(list(self.devices.values())),
                             [(uuid, copy.copy(p)) for (uuid, _), p in self.probes.items()],
                             copy.deepcopy(self.model), self.store_errors_total,
-                            self.drift.snapshot(), self.drift.p.h, self.probe_interval_s)
+                            self.drift.snapshot(), self.probe_interval_s)
 
 
 @dataclass
@@ -89,5 +110,4 @@ class Snapshot:
     model: ModelState
     store_errors_total: int
     drift: dict[tuple[str, ProbeSpec, str], Track]
-    drift_threshold: float
     probe_interval_s: float | None

@@ -128,3 +128,40 @@ def test_concurrent_scrapes_and_updates_are_consistent():
     finally:
         stop.set()
         t.join()
+
+
+def test_exposition_renders_state_once_per_change_and_serves_http():
+    import gzip
+    import urllib.error
+    import urllib.request
+
+    from gemmd.exporter import Exposition, serve
+
+    state, dev, spec, m, p = _state_with_probe()
+    exp = Exposition(state, process=False)
+    first = exp.body()
+    assert exp.renders == 1 and b"gemmd_probe_runtime_seconds{" in first
+    exp.body()
+    assert exp.renders == 1  # nothing changed: served from the cache
+    with state.lock:
+        state.devices[dev.info.uuid].in_flight_since = 0.0
+    again = exp.body()
+    assert exp.renders == 2 and b"gemmd_device_probe_in_flight_seconds{" in again
+    assert gzip.decompress(exp.body(gzip_ok=True)).split(b"gemmd_device_probe_in_flight")[0] \
+        == again.split(b"gemmd_device_probe_in_flight")[0]
+    httpd = serve(exp, "127.0.0.1", 0)
+    try:
+        port = httpd.server_port
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.headers["Content-Encoding"] == "gzip"
+            assert b"gemmd_build_info" in gzip.decompress(r.read())
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/nope", timeout=5)
+            raise AssertionError("expected 404")
+        except urllib.error.HTTPError as e:
+            assert e.code == 404
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

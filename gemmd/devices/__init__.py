@@ -39,6 +39,7 @@ def open_devices(cfg: Config) -> list[Device]:
         from gemmd.devices.fake import FakeDevice
 
         kw = [{"index": i, "cfg": d, "seed": cfg.fake.seed, "noise": cfg.fake.noise,
+               "jitter": cfg.fake.jitter,
                "realtime": cfg.fake.realtime, "memory_budget": budget}
               for i, d in enumerate(cfg.fake.devices)]
         if cfg.isolation == "process":

@@ -65,6 +65,12 @@ class Device(abc.ABC):
         Returns early (fewer times) when ``cancel`` is set.
         """
 
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event
+                     ) -> tuple[list[float], list[tuple[float, float]]]:
+        """Like run(), also returning energy-counter steps seen while the work ran:
+        [(clock(), joules)] at each change. Devices that can't watch return no steps."""
+        return self.run(spec, iterations, cancel), []
+
     @abc.abstractmethod
     def clock(self) -> float:
         """Monotonic seconds on the same time base as the energy counter."""

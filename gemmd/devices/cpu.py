@@ -118,6 +118,31 @@ def _max_hz() -> float:
     return 2.5e9
 
 
+def _proc_stat_jiffies(text: str) -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat's first line."""
+    for line in text.splitlines():
+        if line.startswith("cpu "):
+            v = [int(x) for x in line.split()[1:]]
+            idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+            total = sum(v[:8])  # guest time is already inside user
+            return total - idle, total
+    return None
+
+
+def others_cpu_fraction(interval: float) -> float | None:
+    """Share of all cores used by other processes over ``interval`` seconds, or None."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    a = _proc_stat_jiffies(_read(Path("/proc/stat")) or "")
+    own0 = sum(os.times()[:2])
+    time.sleep(interval)
+    b = _proc_stat_jiffies(_read(Path("/proc/stat")) or "")
+    own1 = sum(os.times()[:2])
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    busy = (b[0] - a[0]) - (own1 - own0) * tick
+    return max(0.0, busy / (b[1] - a[1]))
+
+
 class CpuDevice(Device):
     def __init__(self, *, memory_budget: int = 2 << 30, seed: int = 0,
                  powercap_root: str | Path = "/sys/class/powercap"):
@@ -156,12 +181,12 @@ class CpuDevice(Device):
         return DTYPE_BYTES[spec.dtype] * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)
 
     def busy_reason(self) -> str | None:
-        try:
-            load1 = os.getloadavg()[0]
-        except OSError:
-            return None
-        # A saturated host both suffers from a probe and makes its figures meaningless.
-        return "host_saturated" if load1 > self._cores else None
+        """"host_busy" when other processes used over half of all cores in the last 0.3 s.
+
+        Measured, not the load average: that lags by minutes and counts our own probes.
+        """
+        others = others_cpu_fraction(0.3)
+        return "host_busy" if others is not None and others > 0.5 else None
 
     def _key(self, spec: ProbeSpec) -> tuple:
         return (spec.m, spec.n, spec.k, spec.dtype, spec.layout)

@@ -87,7 +87,7 @@ def simulated_runtime(model: GpuModel, spec: ProbeSpec) -> tuple[float, float]:
 
 class FakeDevice(Device):
     def __init__(self, index: int, cfg: FakeDeviceConfig, *, seed: int = 0, noise: float = 0.01,
-                 realtime: bool = False, memory_budget: int = 2 << 30):
+                 realtime: bool = False, memory_budget: int = 2 << 30, jitter: float = 0.0):
         self.cfg = cfg
         self.model = MODELS[cfg.model]
         uid = hashlib.sha1(f"{seed}-{index}-{cfg.model}".encode()).hexdigest()
@@ -100,6 +100,7 @@ class FakeDevice(Device):
         # Sibling cards differ a little (silicon lottery), fixed per device.
         self._offset = float(np.exp(self._rng.normal(0.0, 0.01)))
         self._noise = noise
+        self._jitter = jitter
         self._realtime = realtime
         self._budget = memory_budget
         self._lock = threading.Lock()
@@ -180,7 +181,8 @@ class FakeDevice(Device):
             raise DeviceError(f"fake GPU {self.info.index}: hung probe abandoned")
         base, util = simulated_runtime(self.model, spec)
         slow = self._slowdown()
-        times = base * self._offset * slow * np.exp(
+        run_factor = float(np.exp(self._rng.normal(0.0, self._jitter))) if self._jitter else 1.0
+        times = base * self._offset * slow * run_factor * np.exp(
             self._rng.normal(0.0, self._noise, size=iterations))
         total = float(times.sum())
         self._util = util
@@ -188,6 +190,22 @@ class FakeDevice(Device):
         with self._lock:
             self._advance(total, power)
         return times.tolist()
+
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event
+                     ) -> tuple[list[float], list[tuple[float, float]]]:
+        """Counter steps inside the run, as a host polling every ~1 ms would see them."""
+        start = self.clock()
+        times = self.run(spec, iterations, cancel)
+        end = self.clock()
+        first = math.floor((start - self._start) / _ENERGY_STEP_S) + 1
+        steps = []
+        with self._lock:
+            j = first
+            while (b := self._start + j * _ENERGY_STEP_S) <= end:
+                latency = float(self._rng.uniform(0.0, 0.001))
+                steps.append((b + latency, self._energy_at(b)))
+                j += 1
+        return times, steps
 
     def _power_for(self, util: float, slow: float, spec: ProbeSpec) -> float:
         m = self.model

@@ -317,8 +317,26 @@ class NvidiaDevice(Device):
         return launch
 
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
-        """Back-to-back GEMMs on one stream, timed with CUDA events per chunk."""
+        return self.run_observed(spec, iterations, cancel, watch=False)[0]
+
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event,
+                     watch: bool = True) -> tuple[list[float], list[tuple[float, float]]]:
+        """Back-to-back GEMMs on one stream, timed with CUDA events per chunk.
+
+        With ``watch``, the host polls NVML's energy counter while the GPU works (launches
+        are asynchronous): between enqueued chunks, then every 0.5 ms until the last event
+        completes, recording (time, joules) at each step.
+        """
         cp = self.cp
+        steps: list[tuple[float, float]] = []
+        last = [self.energy_j() if watch else None]
+
+        def poll() -> None:
+            e = self.energy_j()
+            if e is not None and e != last[0]:
+                steps.append((time.monotonic(), e))
+                last[0] = e
+
         chunk = chunk_size(self._per_iter.get(spec))
         sizes = [chunk] * (iterations // chunk) + ([iterations % chunk] if iterations % chunk
                                                    else [])
@@ -333,15 +351,21 @@ class NvidiaDevice(Device):
                     launch()
                 events[i + 1].record(self.stream)
                 done = i + 1
+                if watch and last[0] is not None:
+                    poll()
                 if cancel.is_set():
                     break
+            while watch and last[0] is not None and not events[done].query():
+                poll()
+                time.sleep(0.0005)
             events[done].synchronize()
             for i in range(done):
                 ms = cp.cuda.get_elapsed_time(events[i], events[i + 1])
                 times.extend([ms / 1e3 / sizes[i]] * sizes[i])
         if times:
             self._per_iter[spec] = float(np.median(times))
-        return times
+        # Only steps seen while the GPU was still busy with this work count.
+        return times, steps
 
     def clock(self) -> float:
         return time.monotonic()

@@ -62,8 +62,8 @@ def _serve(conn: Any, factory: tuple) -> None:
             if method == "measure":
                 spec, cfg, check = args
                 result: Any = dev.measure(spec, cfg, check=check)
-            elif method == "run":
-                result = dev.run(*args, threading.Event())
+            elif method in ("run", "run_observed"):
+                result = getattr(dev, method)(*args, threading.Event())
             else:
                 result = getattr(dev, method)(*args)
             conn.send(("ok", result))
@@ -191,6 +191,10 @@ class WorkerDevice(Device):
 
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
         return self._call("run", spec, iterations, cancel=cancel)
+
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event
+                     ) -> tuple[list[float], list[tuple[float, float]]]:
+        return self._call("run_observed", spec, iterations, cancel=cancel)
 
     def clock(self) -> float:
         return self._call("clock")
