@@ -20,4 +20,5 @@ run: setup
 # Lint, then the whole test suite (unit, end-to-end, integration).
 test: setup
 	$(BIN)/ruff check gemmd tests bench
+	bash scripts/install-test-deps.sh
 	$(BIN)/python -m pytest -q

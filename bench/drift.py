@@ -27,7 +27,9 @@ from gemmd.config import FakeDeviceConfig, MeasureConfig, ModelConfig
 from gemmd.devices.fake import FakeDevice
 from gemmd.drift import (
     ALPHA,
+    MAD_EFFICIENCY,
     RHO_MAX,
+    Z_CAP,
     DriftMonitor,
     DriftParams,
     Track,
@@ -115,12 +117,15 @@ def false_alarms(tracks: int, rounds: int, noise: float, phi: float, rng: np.ran
     var = (1.4826 * np.median(np.abs(dev0), axis=0)) ** 2
     cov = np.mean(dev0[1:] * dev0[:-1], axis=0)
     prev = dev0[-1].copy()
+    neff = np.full(tracks, MAD_EFFICIENCY * n0)
 
-    def lr_scale(var, cov):
+    def lr_scale(var, cov, neff):
         rho = np.clip(np.divide(cov, var, out=np.zeros_like(var), where=var > 0), 0, RHO_MAX)
-        return np.maximum(P.min_scale, np.sqrt(np.maximum(var, 0) * (1 + rho) / (1 - rho)))
+        widen = 1 + 2 / np.sqrt(2 * np.maximum(neff, 1.0))
+        return np.maximum(P.min_scale,
+                          widen * np.sqrt(np.maximum(var, 0) * (1 + rho) / (1 - rho)))
 
-    scale = lr_scale(var, cov)
+    scale = lr_scale(var, cov, neff)
 
     def h_of(k: np.ndarray) -> np.ndarray:
         """gemmd.drift.threshold, vectorized (same fixed point, same floor)."""
@@ -153,9 +158,10 @@ def false_alarms(tracks: int, rounds: int, noise: float, phi: float, rng: np.ran
             d = np.clip(dev, -4 * scale, 4 * scale)
             var = np.where(learn, (1 - ALPHA) * var + ALPHA * d * d, var)
             cov = np.where(learn, (1 - ALPHA) * cov + ALPHA * d * prev, cov)
-            scale = np.where(learn, lr_scale(var, cov), scale)
+            neff = np.where(learn, (1 - ALPHA) * neff + 1.0, neff)
+            scale = np.where(learn, lr_scale(var, cov, neff), scale)
             prev = dev
-            s = np.maximum(0.0, s + z - k)
+            s = np.maximum(0.0, s + np.clip(z, -Z_CAP, Z_CAP) - k)
             new = ~drifting & (s > h_of(k))
             alarms += new
             drifting = (drifting | new) & (s > 0)

@@ -5,11 +5,15 @@ reference r0 = median of r over the first ``baseline_probes`` healthy results: a
                steady offset from the model (silicon lottery, cooling) is not drift
 scale     s = the probe's own long-run noise: sqrt(var (1 + rho) / (1 - rho)), var and
                lag-1 autocorrelation rho first from the baseline (robustly), then learnt
-               slowly (EWMA, alpha 0.02) from results taken while the CUSUM was at 0,
-               winsorized at 4 s; at least min_scale (and the model's log-space sigma when
-               ``use_model_sigma``). Correlated noise (temperature, clocks) makes a CUSUM
-               alarm far more often than iid theory says; the rho term accounts for it.
-z         = (r - r0) / s
+               slowly (EWMA, alpha 0.01) from results taken while the CUSUM was at 0,
+               winsorized at 4 s, then widened by two standard errors of that estimate
+               (1 + 2 / sqrt(2 n_eff)): a CUSUM's false-alarm rate is exponential in
+               its threshold, so a noise estimate 10% low alarms ~10x as often; at least
+               min_scale (and the model's log-space sigma when ``use_model_sigma``).
+               Correlated noise (temperature, clocks) makes a CUSUM alarm far more often
+               than iid theory says; the rho term accounts for it.
+z         = (r - r0) / s, capped at +-Z_CAP in the CUSUM so that one outlier (energy
+               counters are heavy-tailed) cannot raise an alarm on its own
 CUSUM     S = max(0, S + z - k), k = log(1 + shift) / (2 s): half the shift to detect, in
                scales (the textbook choice); alarm while S > h; clears when S is back at 0.
 threshold h from the wanted in-control average run length (``arl0``, healthy results
@@ -61,6 +65,7 @@ class Track:
     var: float = 0.0  # noise variance of the residual (log units squared)
     cov: float = 0.0  # lag-1 autocovariance
     prev: float = 0.0  # last deviation from the reference
+    n: float = 0.0  # effective samples behind var
 
     def ready(self) -> bool:
         return self.reference is not None
@@ -74,14 +79,18 @@ def robust_std(xs: Iterable[float]) -> float:
     return 1.4826 * statistics.median(abs(x - med) for x in xs)
 
 
-ALPHA = 0.02  # noise learning rate: about the last 50 in-control results
+ALPHA = 0.01  # noise learning rate: about the last 100 in-control results
+MAD_EFFICIENCY = 0.37  # a MAD-based std from n points is worth ~0.37 n normal samples
 RHO_MAX = 0.9
+Z_CAP = 4.0
 
 
-def long_run_scale(var: float, cov: float, floor: float) -> float:
-    """Std of the mean level a CUSUM integrates: inflated by positive autocorrelation."""
+def long_run_scale(var: float, cov: float, floor: float, n_eff: float = math.inf) -> float:
+    """Std of the level a CUSUM integrates: inflated by positive autocorrelation and by
+    the uncertainty of an estimate from ``n_eff`` samples."""
     rho = min(max(cov / var, 0.0), RHO_MAX) if var > 0 else 0.0
-    return max(floor, math.sqrt(max(var, 0.0) * (1 + rho) / (1 - rho)))
+    widen = 1 + 2 / math.sqrt(2 * max(n_eff, 1.0))
+    return max(floor, widen * math.sqrt(max(var, 0.0) * (1 + rho) / (1 - rho)))
 
 
 def threshold(k: float, arl0: float) -> float:
@@ -106,7 +115,8 @@ def set_reference(track: Track, residuals: list[float], floor: float) -> None:
     pairs = list(zip(devs, devs[1:]))
     track.cov = statistics.fmean(a * b for a, b in pairs) if pairs else 0.0
     track.prev = devs[-1]
-    track.scale = long_run_scale(track.var, track.cov, floor)
+    track.n = MAD_EFFICIENCY * len(residuals)
+    track.scale = long_run_scale(track.var, track.cov, floor, track.n)
     track.baseline = []
 
 
@@ -130,9 +140,10 @@ def update(track: Track, residual: float, model_sigma: float, *, shift: float, a
         d = min(max(dev, -4 * scale), 4 * scale)
         track.var = (1 - ALPHA) * track.var + ALPHA * d * d
         track.cov = (1 - ALPHA) * track.cov + ALPHA * d * track.prev
-        track.scale = long_run_scale(track.var, track.cov, floor)
+        track.n = (1 - ALPHA) * track.n + 1.0
+        track.scale = long_run_scale(track.var, track.cov, floor, track.n)
     track.prev = dev
-    track.cusum = max(0.0, track.cusum + z - k)
+    track.cusum = max(0.0, track.cusum + min(max(z, -Z_CAP), Z_CAP) - k)
     h = track.h = threshold(k, arl0)
     if not track.drifting and track.cusum > h:
         track.drifting, track.since = True, now
@@ -174,9 +185,16 @@ class DriftMonitor:
     # ------------------------------------------------------------------ updates
     def observe(self, uuid: str, spec: ProbeSpec, measured: Mapping[str, float | None],
                 predicted: Mapping[str, float | None], sigma: Mapping[str, float],
-                now: float | None = None) -> list[str]:
-        """Feed one probe result; returns the targets that raised a new alarm."""
+                now: float | None = None, model_version: str | None = None) -> list[str]:
+        """Feed one probe result; returns the targets that raised a new alarm.
+
+        A result predicted by another model than the references were taken under (a refit
+        just replaced it; references are being re-taken) is not judged.
+        """
         now = time.time() if now is None else now
+        if model_version is not None and self.model_version is not None and \
+                model_version != self.model_version:
+            return []
         raised = []
         for target in self.p.targets:
             r = residual_of(measured.get(target), predicted.get(target))

@@ -40,6 +40,13 @@ class Result:
     error: str = ""
 
 
+def _energy_trusted(m: Measurement, backend: str) -> bool:
+    """Power/energy precise enough for drift: from observed counter steps, or a CPU's RAPL
+    (updated every ~1 ms). A GPU window read between 100 ms steps errs by up to +-2 steps."""
+    method = (m.context.get("after") or {}).get("energy_method")
+    return method == "steps" or (method == "window" and backend == "cpu")
+
+
 class DeviceRunner:
     def __init__(self, device: Device, cfg: Config, store: Store, state: State,
                  registry: ModelRegistry, cancel: threading.Event | None = None):
@@ -219,8 +226,11 @@ class DeviceRunner:
         with self.state.lock:
             drift = self.state.drift
             if kind == "sentinel" and outcome == "ok":
-                raised = drift.observe(info.uuid, spec, measured_of(m), predicted_of(pred),
-                                       pred.sigma)
+                measured = measured_of(m)
+                if not _energy_trusted(m, info.backend):
+                    measured["power"] = measured["energy"] = None
+                raised = drift.observe(info.uuid, spec, measured, predicted_of(pred),
+                                       pred.sigma, model_version=version)
             flagged = drift.device_drifting(info.uuid)
             tracks = {t: drift.tracks.get((info.uuid, spec, t)) for t in raised}
         for target in raised:

@@ -44,10 +44,21 @@ def test_a_5_percent_slowdown_alarms_within_3_rounds_and_clears_after():
 
 
 def test_scale_is_the_probes_own_noise_or_the_floor():
+    from gemmd.drift import long_run_scale
+
     tr = Track()
-    _feed(tr, [0.0, 0.04, -0.04, 0.02, -0.02], sigma=0.5)
-    assert tr.scale == pytest.approx(robust_std([0.0, 0.04, -0.04, 0.02, -0.02]))
+    base = [0.0, 0.04, -0.04, 0.02, -0.02]
+    _feed(tr, base, sigma=0.5)
+    sd = robust_std(base)
+    # Widened by two standard errors of a 5-point MAD estimate (~1.85 normal samples).
+    assert tr.scale == pytest.approx(long_run_scale(sd**2, tr.cov, 0.01, 0.37 * 5))
+    assert tr.scale > sd * 1.9
     assert robust_std([1.0]) == 0.0
+    # The widening shrinks as the estimate learns from in-control results.
+    for _ in range(300):
+        update(tr, 0.0 + 0.02 * (-1) ** _, 0.5, now=0, **P)
+    assert tr.n > 90 and long_run_scale(tr.var, tr.cov, 0.0, tr.n) < \
+        1.2 * long_run_scale(tr.var, tr.cov, 0.0)
     tr = Track()  # the model's sigma counts only when asked to
     for r in [0.0] * 5:
         update(tr, r, 0.3, now=0, use_model_sigma=True, **P)
@@ -190,3 +201,24 @@ def test_rebaseline_unknown_device_is_a_clear_error(tmp_path):
                         str(tmp_path), "--device", "7"], capture_output=True, text=True)
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
     assert "--device 7: no such device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_results_predicted_by_another_model_are_not_judged():
+    """A refit swaps the model before references are re-taken: results in between would be
+    judged against the old model's reference (a false alarm on a healthy GPU)."""
+    mon = DriftMonitor(DriftParams(**P, targets=("runtime",)))
+    mon.model_version = "rf-1"
+    base, sig = {"runtime": 1.0}, {"runtime": 0.02}
+    for _ in range(5):
+        mon.observe("g", SPEC, base, base, sig, model_version="rf-1")
+    before = dict(vars(mon.tracks[("g", SPEC, "runtime")]))
+    for _ in range(5):
+        assert mon.observe("g", SPEC, {"runtime": 1.5}, base, sig, model_version="rf-2") == []
+    assert vars(mon.tracks[("g", SPEC, "runtime")]) == before
+
+
+def test_one_outlier_cannot_raise_an_alarm_alone():
+    tr = Track()
+    _feed(tr, [0.0] * 5)
+    assert _feed(tr, [math.log(3.0)]) == [False]  # z ~ 110, capped at 4: S = 1.56 < h 2.5
+    assert _feed(tr, [0.0] * 3) == [False] * 3 and tr.cusum == 0.0
