@@ -150,23 +150,26 @@ class Daemon:
     def _restore(self) -> None:
         """Show the last stored sentinel results again after a restart (with their age)."""
         runners = {r.device.info.uuid: r for r in self.runners}
-        restored = 0
+        by_dev: dict[str, list] = {}
         for row in self.store.latest_per_probe():
             r = runners.get(row["device_uuid"])
             if r is None or row["outcome"] != "ok" or row["runtime_s"] is None:
                 continue
             m = _measurement_from_row(row)
-            if m.spec not in r.plan:
-                continue
-            try:
-                (pred,), _ = self.registry.predict([m.spec], [r.device.info])
+            if m.spec in r.plan:
+                by_dev.setdefault(row["device_uuid"], []).append((row, m))
+        restored = 0
+        for uuid, items in by_dev.items():
+            info = runners[uuid].device.info
+            try:  # one batch per device: a forest predicts 100 rows about as fast as one
+                preds, _ = self.registry.predict([m.spec for _, m in items], [info] * len(items))
             except Exception as e:  # restore is best-effort; probing will refresh it
-                logger.warning("restore: cannot predict %s: %s", m.spec.name, e)
+                logger.warning("restore: cannot predict for %s: %s", uuid, e)
                 continue
             with self.state.lock:
-                self.state.probes[(row["device_uuid"], m.spec)] = ProbeState(
-                    m.spec, m, pred, row["ts"])
-            restored += 1
+                for (row, m), pred in zip(items, preds):
+                    self.state.probes[(uuid, m.spec)] = ProbeState(m.spec, m, pred, row["ts"])
+            restored += len(items)
         if restored:
             logger.info("restored %d stored sentinel results", restored)
 
