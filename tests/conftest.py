@@ -85,15 +85,14 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, proc=None) -> A
     raise AssertionError(f"timed out after {timeout}s waiting for {what} ({last_err})\n{log}")
 
 
-class DaemonProc:
-    """`python -m gemmd run` as a real subprocess, stderr captured to a file."""
+class LoggedProc:
+    """A real subprocess whose stdout and stderr go to a log file the test can read."""
 
-    def __init__(self, config: Path, log: Path, *args: str, env: dict | None = None):
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, mode: str = "ab"):
         self.log = log
-        self._f = open(log, "ab")
-        self.p = subprocess.Popen([sys.executable, "-m", "gemmd", "run", "--config",
-                                   str(config), *args], stdout=self._f, stderr=self._f,
-                                  cwd=ROOT, env={**os.environ, **(env or {})})
+        self._f = open(log, mode)
+        self.p = subprocess.Popen(cmd, stdout=self._f, stderr=self._f, cwd=ROOT,
+                                  env=env if env is not None else dict(os.environ))
         self.pid = self.p.pid
 
     def poll(self):
@@ -107,17 +106,25 @@ class DaemonProc:
         self._f.flush()
         return self.log.read_text(errors="replace")
 
-    def terminate(self, timeout: float = 10.0) -> tuple[int, float]:
-        t0 = time.monotonic()
-        self.p.send_signal(signal.SIGTERM)
-        rc = self.p.wait(timeout=timeout)
-        return rc, time.monotonic() - t0
-
     def kill(self) -> None:
         if self.p.poll() is None:
             self.p.kill()
             self.p.wait(timeout=10)
         self._f.close()
+
+
+class DaemonProc(LoggedProc):
+    """`python -m gemmd run` as a real subprocess, stderr captured to a file."""
+
+    def __init__(self, config: Path, log: Path, *args: str, env: dict | None = None):
+        super().__init__([sys.executable, "-m", "gemmd", "run", "--config", str(config),
+                          *args], log, {**os.environ, **(env or {})})
+
+    def terminate(self, timeout: float = 10.0) -> tuple[int, float]:
+        t0 = time.monotonic()
+        self.p.send_signal(signal.SIGTERM)
+        rc = self.p.wait(timeout=timeout)
+        return rc, time.monotonic() - t0
 
 
 @pytest.fixture

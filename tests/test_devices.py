@@ -3,6 +3,7 @@
 import math
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -276,3 +277,29 @@ def test_rapl_no_domains(tmp_path):
     rapl = Rapl(tmp_path)
     assert str(tmp_path) in rapl.unavailable_reason
     assert rapl.read_j() is None
+
+
+def test_proc_stat_parsing_counts_iowait_as_idle():
+    from gemmd.devices.cpu import _proc_stat_jiffies
+
+    text = "cpu  100 5 50 800 20 1 2 3 0 0\ncpu0 50 2 25 400 10 0 1 1 0 0\n"
+    busy, total = _proc_stat_jiffies(text)
+    assert total == 100 + 5 + 50 + 800 + 20 + 1 + 2 + 3 and busy == total - 800 - 20
+    assert _proc_stat_jiffies("intr 1 2 3\n") is None
+
+
+def test_cpu_busy_check_sees_other_processes_not_our_own_work():
+    import subprocess
+    import sys
+
+    dev = CpuDevice()
+    burn = "import time\nt = time.time() + 5\nwhile time.time() < t: pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", burn])
+             for _ in range(max(1, len(os.sched_getaffinity(0))))]
+    try:
+        time.sleep(0.3)
+        assert dev.busy_reason() == "host_busy"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

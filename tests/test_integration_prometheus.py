@@ -22,7 +22,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FAST_FAKE, ROOT, free_port, merge, scrape, wait_for, write_config
+from conftest import (
+    FAST_FAKE,
+    ROOT,
+    LoggedProc,
+    free_port,
+    merge,
+    scrape,
+    wait_for,
+    write_config,
+)
 
 RULES = ROOT / "deploy" / "prometheus" / "gemmd.rules.yml"
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -53,29 +62,15 @@ MAY_BE_EMPTY = {
 }
 
 
-class Prometheus:
+class Prometheus(LoggedProc):
     """`prometheus` as a subprocess on a free port, with its log in a file."""
 
     def __init__(self, binary: str, config: Path, data: Path, log: Path):
         self.port = free_port()
-        self.log = log
-        self._f = open(log, "wb")
-        self.p = subprocess.Popen(
+        super().__init__(
             [binary, f"--config.file={config}", f"--storage.tsdb.path={data}",
              f"--web.listen-address=127.0.0.1:{self.port}",
-             "--storage.tsdb.retention.time=1h", "--log.level=warn"],
-            stdout=self._f, stderr=self._f)
-
-    def poll(self):
-        return self.p.poll()
-
-    @property
-    def returncode(self):
-        return self.p.returncode
-
-    def read_log(self) -> str:
-        self._f.flush()
-        return self.log.read_text(errors="replace")
+             "--storage.tsdb.retention.time=1h", "--log.level=warn"], log, mode="wb")
 
     def get(self, path: str, **params) -> dict:
         url = f"http://127.0.0.1:{self.port}{path}"

@@ -23,7 +23,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import FAST_FAKE, ROOT, free_port, merge, scrape, wait_for, write_config
+from conftest import (
+    FAST_FAKE,
+    ROOT,
+    LoggedProc,
+    free_port,
+    merge,
+    scrape,
+    wait_for,
+    write_config,
+)
 
 from gemmd.cli import EXIT_CONFIG, build_parser
 from gemmd.config import load
@@ -203,7 +212,7 @@ class NotifyListener:
         self.sock.close()
 
 
-class Daemon:
+class Daemon(LoggedProc):
     """`python -m gemmd run` started the way systemd starts a service's main process."""
 
     def __init__(self, config: Path, log: Path, env: dict[str, str],
@@ -214,28 +223,9 @@ class Daemon:
             # systemd sets WATCHDOG_PID to the main pid; `exec` keeps the shell's pid.
             cmd = ["/bin/sh", "-c", 'WATCHDOG_PID=$$; export WATCHDOG_PID; exec "$@"', "sh",
                    *cmd]
-        self.config, self.log = config, log
-        self._f = open(log, "ab")
-        self.p = subprocess.Popen(cmd, stdout=self._f, stderr=self._f, cwd=ROOT,
-                                  env={**base, **env})
-        self.pid = self.p.pid
+        self.config = config
+        super().__init__(cmd, log, {**base, **env})
 
-    def poll(self):
-        return self.p.poll()
-
-    @property
-    def returncode(self):
-        return self.p.returncode
-
-    def read_log(self) -> str:
-        self._f.flush()
-        return self.log.read_text(errors="replace")
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(timeout=10)
-        self._f.close()
 
 
 @pytest.fixture
