@@ -4,12 +4,14 @@ residual  r = log(measured / predicted)                       (per probe result)
 reference r0 = median of r over the first ``baseline_probes`` healthy results: a card's
                steady offset from the model (silicon lottery, cooling) is not drift
 scale     s = the probe's own long-run noise: sqrt(var (1 + rho) / (1 - rho)), var and
-               lag-1 autocorrelation rho first from the baseline (robustly), then learnt
-               slowly (EWMA, alpha 0.01) from results taken while the CUSUM was at 0,
-               winsorized at 4 s, then widened by two standard errors of that estimate
-               (1 + 2 / sqrt(2 n_eff)): a CUSUM's false-alarm rate is exponential in
-               its threshold, so a noise estimate 10% low alarms ~10x as often; at least
-               min_scale (and the model's log-space sigma when ``use_model_sigma``).
+               lag-1 autocorrelation rho first from the baseline (sample variance: an
+               outlier inflates it, the safe direction), then learnt slowly (EWMA, alpha
+               0.01) from results taken while the CUSUM was at 0, winsorized at 4 s, and
+               taken at its 99% upper confidence bound for the effective sample count
+               (chi-square): a CUSUM's false-alarm rate is exponential in its threshold,
+               so a noise estimate 10% low alarms ~10x as often; at least min_scale (and
+               the model's log-space sigma when ``use_model_sigma``). A new model changes
+               the reference only: the probe's noise does not depend on the model.
                Correlated noise (temperature, clocks) makes a CUSUM alarm far more often
                than iid theory says; the rho term accounts for it.
 z         = (r - r0) / s, capped at +-Z_CAP in the CUSUM so that one outlier (energy
@@ -80,17 +82,26 @@ def robust_std(xs: Iterable[float]) -> float:
 
 
 ALPHA = 0.01  # noise learning rate: about the last 100 in-control results
-MAD_EFFICIENCY = 0.37  # a MAD-based std from n points is worth ~0.37 n normal samples
 RHO_MAX = 0.9
 Z_CAP = 4.0
 
 
+def upper_bound_factor(n_eff: float) -> float:
+    """sigma_99% / sigma_hat for a variance estimated from n_eff samples: sqrt(nu / chi2_0.01)
+    with nu = n_eff - 1, the chi-square quantile by Wilson-Hilferty."""
+    if math.isinf(n_eff):
+        return 1.0
+    nu = max(n_eff - 1.0, 1.0)
+    c = 1 - 2 / (9 * nu) - 2.326 * math.sqrt(2 / (9 * nu))
+    return math.sqrt(nu / (nu * max(c, 0.05) ** 3))
+
+
 def long_run_scale(var: float, cov: float, floor: float, n_eff: float = math.inf) -> float:
-    """Std of the level a CUSUM integrates: inflated by positive autocorrelation and by
-    the uncertainty of an estimate from ``n_eff`` samples."""
+    """Std of the level a CUSUM integrates: inflated by positive autocorrelation and taken
+    at the 99% upper bound of an estimate from ``n_eff`` samples."""
     rho = min(max(cov / var, 0.0), RHO_MAX) if var > 0 else 0.0
-    widen = 1 + 2 / math.sqrt(2 * max(n_eff, 1.0))
-    return max(floor, widen * math.sqrt(max(var, 0.0) * (1 + rho) / (1 - rho)))
+    return max(floor, upper_bound_factor(n_eff) *
+               math.sqrt(max(var, 0.0) * (1 + rho) / (1 - rho)))
 
 
 def threshold(k: float, arl0: float) -> float:
@@ -107,17 +118,21 @@ def threshold(k: float, arl0: float) -> float:
     return max(nb - 1.166, 0.5)
 
 
-def set_reference(track: Track, residuals: list[float], floor: float) -> None:
-    """Reference, noise and autocorrelation from a run of healthy residuals."""
+def set_reference(track: Track, residuals: list[float], floor: float,
+                  keep_noise: bool = False) -> None:
+    """Reference (and, unless ``keep_noise``, noise and autocorrelation) from a run of
+    healthy residuals, oldest first."""
     track.reference = statistics.median(residuals)
     devs = [r - track.reference for r in residuals]
-    track.var = robust_std(residuals) ** 2
+    track.prev = devs[-1]
+    track.baseline = []
+    if keep_noise and track.n > 0:
+        return
+    track.var = statistics.variance(residuals) if len(residuals) > 1 else 0.0
     pairs = list(zip(devs, devs[1:]))
     track.cov = statistics.fmean(a * b for a, b in pairs) if pairs else 0.0
-    track.prev = devs[-1]
-    track.n = MAD_EFFICIENCY * len(residuals)
+    track.n = float(len(residuals))
     track.scale = long_run_scale(track.var, track.cov, floor, track.n)
-    track.baseline = []
 
 
 def update(track: Track, residual: float, model_sigma: float, *, shift: float, arl0: float,
@@ -235,7 +250,8 @@ class DriftMonitor:
                 self.tracks[(uuid, spec, target)] = Track(alarms=tr.alarms)
             return
         set_reference(tr, list(reversed(residuals)),  # oldest first, as they happened
-                      max(self.p.min_scale, model_sigma if self.p.use_model_sigma else 0.0))
+                      max(self.p.min_scale, model_sigma if self.p.use_model_sigma else 0.0),
+                      keep_noise=True)
 
     # ------------------------------------------------------------------ persistence
     def save(self) -> None:
