@@ -44,11 +44,9 @@ def test_a_5_percent_slowdown_alarms_within_3_rounds_and_clears_after():
 
 
 def test_scale_is_the_probes_own_noise_or_the_floor():
-    from gemmd.drift import long_run_scale
-
     import statistics
 
-    from gemmd.drift import upper_bound_factor
+    from gemmd.drift import long_run_scale, upper_bound_factor
 
     tr = Track()
     base = [0.0, 0.04, -0.04, 0.02, -0.02]

@@ -88,6 +88,7 @@ class WorkerDevice(Device):
         self._proc: Any = None
         self._conn: Any = None
         self._lock = threading.Lock()
+        self._kill_lock = threading.Lock()
         self.restarts = 0
         self.info: DeviceInfo = self._start()
 
@@ -107,13 +108,20 @@ class WorkerDevice(Device):
         logger.debug("%s: worker pid %d started", self.label, proc.pid)
         return info
 
-    def _kill(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = self._conn = None
+    def _kill(self, proc: Any = None) -> None:
+        """Kill and reap the worker (``proc``: the one the caller saw; default: current).
+
+        Serialized: close() and a call timing out may both get here at once.
+        """
+        with self._kill_lock:
+            proc = proc if proc is not None else self._proc
+            if proc is not None and proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+            if proc is self._proc:
+                if self._conn is not None:
+                    self._conn.close()
+                self._proc = self._conn = None
 
     @property
     def pid(self) -> int | None:
@@ -207,11 +215,12 @@ class WorkerDevice(Device):
 
     def close(self) -> None:
         """Ask the child to stop; kill it if it doesn't (e.g. hung in a kernel)."""
-        if self._proc is None:
+        proc, conn = self._proc, self._conn
+        if proc is None:
             return
         try:
-            self._conn.send(("stop", ()))
-        except (OSError, ValueError):
+            conn.send(("stop", ()))
+        except (OSError, ValueError, AttributeError):
             pass
-        self._proc.join(2)
-        self._kill()
+        proc.join(2)
+        self._kill(proc)
