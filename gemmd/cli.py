@@ -248,7 +248,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     now = time.time()
     print(f"store: {db}")
     for d in devices:
-        print(f"\nGPU {d['idx']}  {d['name']}  ({d['backend']}, {d['uuid']})  "
+        # Imported measurements have a reference device, not a GPU index of this host.
+        label = f"GPU {d['idx']}" if d["idx"] is not None else "reference"
+        print(f"\n{label}  {d['name']}  ({d['backend']}, {d['uuid']})  "
               f"last seen {_age(now - d['last_seen'])} ago")
         for c in (c for c in counts if c["device_uuid"] == d["uuid"]):
             print(f"  {c['source']:>8} {c['outcome']:<9} {c['n']:>7} probes, last "

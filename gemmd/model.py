@@ -1,10 +1,12 @@
-"""Fit, predict (with intervals), evaluate, save and load the performance model.
+"""Fit, predict (with intervals), save and load the performance model.
 
 Two predictors share one interface: the analytical roofline estimate used until enough
 probes exist, and a Random Forest per target (runtime, power, energy) trained on stored
-probes. Targets are learned in log space relative to physics (runtime / roofline time,
-energy / FLOP) so that the forest predicts efficiency, which carries to unseen sizes.
-Intervals combine the spread of the trees with the out-of-bag residual noise.
+probes or imported measurements. Targets are learned in log space relative to physics
+(runtime / roofline time, power / power limit, energy / FLOP) so that the forest predicts
+efficiency, which carries to unseen sizes. Repeats of a configuration are fitted as one
+row (their median); energy is power x runtime where the data agree. Intervals combine the
+spread of the trees with the noise of a single measurement. docs/model.md has the why.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
@@ -29,12 +31,15 @@ from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError
+from gemmd.features import Table
 from gemmd.probes import ProbeSpec
 
 logger = logging.getLogger(__name__)
 
 TARGETS = ("runtime", "power", "energy")
 _COLUMN = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
+# Bumped whenever features or target spaces change: older files are refused, not misread.
+MODEL_FORMAT = 2
 
 # The only types a model file may contain; anything else is refused before loading.
 TRUSTED_TYPES = [
@@ -43,6 +48,15 @@ TRUSTED_TYPES = [
     "sklearn.tree._tree.Tree",
     "numpy.random._mt19937.MT19937",
 ]
+
+# Forest settings chosen by measurement (bench/model.py, docs/model.md): every feature at
+# each split (a third of them tripled the median power error on the B200 data and won
+# nowhere by more than noise); each tree draws at most MAX_SAMPLES rows, which bounds the
+# fitting time whatever the size of the store.
+MAX_FEATURES = 1.0
+MAX_SAMPLES = 20_000
+
+Progress = Callable[[int], None]
 
 
 @dataclass
@@ -85,29 +99,30 @@ class RooflinePredictor:
         return out
 
 
-def _target_values(target: str, rows: Sequence[Mapping[str, Any]], specs: Sequence[ProbeSpec],
-                   roof: np.ndarray) -> np.ndarray:
-    """Model-space target (log efficiency etc.); NaN where not measured."""
-    raw = np.array([r.get(_COLUMN[target]) if r.get(_COLUMN[target]) is not None else np.nan
-                    for r in rows], dtype=np.float64)
+# ------------------------------------------------------------------ target spaces
+
+
+def _scale(target: str, t: Table) -> np.ndarray:
+    """Physics reference each target is learned relative to (in log space)."""
+    if target == "runtime":
+        return features.roofline(t)
+    if target == "power":
+        limits = np.array([d.power_limit_w or 1.0 for d in t.devices], dtype=np.float64)
+        return limits[t.device] if len(t) else np.zeros(0)
+    return features.flops(t)
+
+
+def to_model_space(target: str, t: Table, values: np.ndarray | None = None) -> np.ndarray:
+    """log(measured / reference); NaN where not measured."""
+    raw = t[_COLUMN[target]] if values is None else values
     with np.errstate(divide="ignore", invalid="ignore"):
-        if target == "runtime":
-            y = np.log(raw / roof)
-        elif target == "power":
-            y = np.log(raw)
-        else:
-            y = np.log(raw / np.array([s.flops for s in specs]))
+        y = np.log(raw / _scale(target, t))
     y[~np.isfinite(y)] = np.nan
     return y
 
 
-def _from_model_space(target: str, y: np.ndarray, specs: Sequence[ProbeSpec],
-                      roof: np.ndarray) -> np.ndarray:
-    if target == "runtime":
-        return np.exp(y) * roof
-    if target == "power":
-        return np.exp(y)
-    return np.exp(y) * np.array([s.flops for s in specs])
+def from_model_space(target: str, t: Table, y: np.ndarray) -> np.ndarray:
+    return np.exp(y) * _scale(target, t)
 
 
 def data_hash(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -117,6 +132,140 @@ def data_hash(rows: Sequence[Mapping[str, Any]]) -> str:
                                                  "tile", "layout", "runtime_s", "power_w",
                                                  "energy_j")], default=str).encode())
     return h.hexdigest()[:16]
+
+
+def table_hash(t: Table) -> str:
+    """Identity of the training data: configuration and measured columns, in order."""
+    h = hashlib.sha256()
+    for c in sorted(t.cols):
+        v = t.cols[c]
+        h.update(c.encode())
+        h.update(v.tobytes() if v.dtype != object else "\x1f".join(map(str, v)).encode())
+    h.update(",".join(d.uuid for d in t.devices).encode() + t.device.tobytes())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ fast prediction
+
+
+class _FlatForest:
+    """All trees of one forest as flat arrays, walked together with numpy.
+
+    scikit-learn's forest.predict costs milliseconds per call for a single row (thread
+    pool set-up per call); walking the trees level by level over concatenated node arrays
+    gives every tree's prediction for a few rows in well under a millisecond.
+    """
+
+    def __init__(self, trees: Sequence[Any]):
+        feat, thr, left, right, value, roots = [], [], [], [], [], []
+        offset = 0
+        self.depth = 0
+        for est in trees:
+            tr = est.tree_
+            n = tr.node_count
+            leaf = tr.children_left < 0
+            ids = np.arange(n)
+            left.append(np.where(leaf, ids, tr.children_left) + offset)
+            right.append(np.where(leaf, ids, tr.children_right) + offset)
+            feat.append(np.where(leaf, 0, tr.feature))
+            thr.append(np.where(leaf, np.inf, tr.threshold))
+            value.append(tr.value[:, 0, 0])
+            roots.append(offset)
+            offset += n
+            self.depth = max(self.depth, int(tr.max_depth))
+        self.feature = np.concatenate(feat).astype(np.intp)
+        self.threshold = np.concatenate(thr)
+        self.left = np.concatenate(left).astype(np.intp)
+        self.right = np.concatenate(right).astype(np.intp)
+        self.value = np.concatenate(value)
+        self.roots = np.asarray(roots, dtype=np.intp)
+
+    def per_tree(self, X: np.ndarray) -> np.ndarray:
+        """(trees x rows) predictions; X as float64 of float32 values, as scikit-learn sees."""
+        rows = np.arange(X.shape[0])[None, :]
+        node = np.repeat(self.roots[:, None], X.shape[0], axis=1)
+        for _ in range(self.depth):
+            go_left = X[rows, self.feature[node]] <= self.threshold[node]
+            node = np.where(go_left, self.left[node], self.right[node])
+        return self.value[node]
+
+
+_FLAT_MAX_ROWS = 64  # above this, scikit-learn's compiled per-tree predict is faster
+
+
+def _per_tree(rf: Any, flat: _FlatForest | None, X32: np.ndarray) -> np.ndarray:
+    if flat is not None and X32.shape[0] <= _FLAT_MAX_ROWS:
+        return flat.per_tree(X32.astype(np.float64))
+    return np.stack([est.tree_.predict(X32)[:, 0] for est in rf.estimators_])
+
+
+# ------------------------------------------------------------------ fitting
+
+
+def _aggregate(y: np.ndarray, gid: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(first row of each group, median y per group, count per group, group per row)."""
+    _, first, inv, cnt = np.unique(gid, return_index=True, return_inverse=True,
+                                   return_counts=True)
+    order = np.lexsort((y, inv))
+    ys = y[order]
+    starts = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    med = (ys[starts + (cnt - 1) // 2] + ys[starts + cnt // 2]) / 2
+    return first, med, cnt, inv.ravel()
+
+
+def _fit_one(X: np.ndarray, y: np.ndarray, gid: np.ndarray, cfg: ModelConfig, n_jobs: int
+             ) -> tuple[Any, float, np.ndarray]:
+    """One forest on per-configuration medians: (forest, sigma, OOB prediction per row).
+
+    sigma is the noise of a single measurement around the prediction, in log space: the
+    spread of repeats of one configuration where there are repeats, else the out-of-bag
+    residual (which then also carries the model's own error: wider, not narrower).
+    """
+    from sklearn.ensemble import RandomForestRegressor
+
+    first, med, cnt, inv = _aggregate(y, gid)
+    n = len(med)
+    rf = RandomForestRegressor(
+        n_estimators=cfg.n_estimators, max_depth=cfg.max_depth or None,
+        min_samples_leaf=cfg.min_samples_leaf, max_features=MAX_FEATURES,
+        max_samples=min(1.0, MAX_SAMPLES / n), oob_score=n >= 2, bootstrap=True,
+        random_state=cfg.seed, n_jobs=n_jobs)
+    with warnings.catch_warnings():
+        # Configurations that every bootstrap drew have no OOB estimate; NaN below.
+        warnings.filterwarnings("ignore", message="Some inputs do not have OOB")
+        rf.fit(X[first], med, sample_weight=cnt.astype(np.float64))
+    rf.n_jobs = 1  # predictions are single-threaded whatever the fit used
+    oob_g = rf.oob_prediction_ if n >= 2 else np.full(n, np.nan)
+    oob_g = np.where(np.isfinite(oob_g), oob_g, np.nan)
+    rep = cnt[inv] >= 2
+    if rep.sum() >= 2 * max(1, int((cnt >= 2).sum())) and (cnt >= 2).sum() >= 3:
+        dev = y[rep] - np.bincount(inv, weights=y)[inv][rep] / cnt[inv][rep]
+        dof = float(rep.sum() - (cnt >= 2).sum())
+        s = float(np.sqrt(np.sum(dev**2) / dof))
+    else:
+        resid = y - oob_g[inv]
+        resid = resid[np.isfinite(resid)]
+        s = float(np.sqrt(np.mean(resid**2))) if resid.size else 0.0
+    return rf, s, oob_g[inv]
+
+
+def _energy_is_derived(t: Table, forests: dict[str, Any]) -> bool:
+    """True when a power and a runtime forest exist and energy was either never measured
+    (energy per GEMM is then average power x runtime by definition) or is power x runtime
+    within 5% at the median on the rows that have all three."""
+    if not {"power", "runtime"} <= set(forests):
+        return False
+    e, p, r = t["energy_j"], t["power_w"], t["runtime_s"]
+    if not np.isfinite(e).any():
+        return True
+    both = np.isfinite(e) & np.isfinite(p) & np.isfinite(r)
+    if not both.any() or both.sum() < np.isfinite(e).sum() / 2:
+        return False
+    return float(np.median(np.abs(np.log(e[both] / (p[both] * r[both]))))) < 0.05
+
+
+# ------------------------------------------------------------------ the forest
 
 
 class ForestModel:
@@ -131,77 +280,114 @@ class ForestModel:
         self.z = z
         self.meta = meta
         self.version = str(meta.get("version", "rf"))
+        self._flat: dict[str, _FlatForest] = {}
 
     @classmethod
     def fit(cls, rows: Sequence[Mapping[str, Any]], infos: Sequence[DeviceInfo],
-            cfg: ModelConfig) -> ForestModel:
+            cfg: ModelConfig, *, progress: Progress | None = None) -> ForestModel:
         """Fit on probe rows (store dicts) with the DeviceInfo of each row's device."""
-        from sklearn.ensemble import RandomForestRegressor
-
         if len(rows) < cfg.min_samples:
             raise ModelError(f"{len(rows)} samples, fewer than model.min_samples "
                              f"({cfg.min_samples})")
+        model = cls.fit_table(Table.from_rows(rows, infos), cfg, progress=progress)
+        model.meta["data_hash"] = data_hash(rows)
+        return model
+
+    @classmethod
+    def fit_table(cls, t: Table, cfg: ModelConfig, *, progress: Progress | None = None,
+                  n_jobs: int = 1, targets: Sequence[str] = TARGETS) -> ForestModel:
+        """Fit on a Table; ``progress(1)`` is called as each target is done.
+
+        Repeated measurements of one configuration are fitted as one row (their median in
+        log space, weighted by their count): the forest learns the configuration's typical
+        value, not its noise, and a month of sentinel repeats costs one row, not thousands.
+        Energy is power x runtime (no forest of its own) where the data agree with that.
+        """
+        if len(t) < cfg.min_samples:
+            raise ModelError(f"{len(t)} samples, fewer than model.min_samples "
+                             f"({cfg.min_samples})")
         t0 = time.perf_counter()
-        specs = [features.spec_of(r) for r in rows]
-        X = features.matrix(specs, infos)
-        roof = features.roofline_vector(specs, infos)
-        forests, sigma, scores, counts = {}, {}, {}, {}
-        for target in TARGETS:
-            y = _target_values(target, rows, specs, roof)
+        X = features.table_matrix(t).astype(np.float32)
+        gid = features.config_ids(t)
+        forests: dict[str, Any] = {}
+        sigma: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        oob: dict[str, np.ndarray] = {}  # SI units per row, NaN where none
+        derived = {}
+        for target in targets:
+            y = to_model_space(target, t)
             ok = np.isfinite(y)
-            if ok.sum() < cfg.min_samples:
-                continue
-            rf = RandomForestRegressor(
-                n_estimators=cfg.n_estimators, max_depth=cfg.max_depth or None,
-                min_samples_leaf=cfg.min_samples_leaf, oob_score=True, bootstrap=True,
-                random_state=cfg.seed, n_jobs=1)
-            with warnings.catch_warnings():
-                # Rows that every bootstrap drew have no OOB estimate; handled below.
-                warnings.filterwarnings("ignore", message="Some inputs do not have OOB")
-                rf.fit(X[ok], y[ok])
-            oob = rf.oob_prediction_
-            idx = np.flatnonzero(ok)[np.isfinite(oob)]  # rows with an out-of-bag estimate
-            resid = y[idx] - oob[np.isfinite(oob)]
-            sigma[target] = float(np.sqrt(np.mean(resid**2))) if resid.size else 0.0
-            sub = [specs[i] for i in idx]
-            meas = _from_model_space(target, y[idx], sub, roof[idx])
-            pred = _from_model_space(target, oob[np.isfinite(oob)], sub, roof[idx])
-            ape = np.abs(pred - meas) / meas if meas.size else np.array([np.nan])
-            scores[target] = {"oob_mape": float(np.mean(ape)),
-                              "oob_median_ape": float(np.median(ape))}
             counts[target] = int(ok.sum())
-            forests[target] = rf
+            if target == "energy" and _energy_is_derived(t, forests):
+                derived["energy"] = "power*runtime"
+                oob["energy"] = oob["power"] * oob["runtime"]
+                sigma["energy"] = float(math.hypot(sigma["power"], sigma["runtime"]))
+            elif counts[target] >= cfg.min_samples:
+                rf, s, o = _fit_one(X[ok], y[ok], gid[ok], cfg, n_jobs)
+                forests[target], sigma[target] = rf, s
+                oob[target] = np.full(len(t), np.nan)
+                oob[target][ok] = from_model_space(target, t.take(np.flatnonzero(ok)), o)
+            if progress:
+                progress(1)
         if "runtime" not in forests:
             raise ModelError("no runtime measurements to fit on")
+        scores = {}
+        for target, pred in oob.items():
+            meas = t[_COLUMN[target]]
+            has = np.isfinite(pred) & np.isfinite(meas)
+            if has.any():
+                ape = np.abs(pred[has] - meas[has]) / meas[has]
+                scores[target] = {"oob_mape": float(np.mean(ape)),
+                                  "oob_median_ape": float(np.median(ape))}
         z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
-        meta = {"n_samples": len(rows), "targets": counts, "scores": scores,
-                "features": list(features.FEATURES), "interval": cfg.interval,
-                "data_hash": data_hash(rows), "fit_seconds": time.perf_counter() - t0,
-                "created": time.time()}
+        meta = {"format": MODEL_FORMAT, "n_samples": len(t),
+                "targets": {k: v for k, v in counts.items() if k in forests or k in derived},
+                "derived": derived, "scores": scores, "features": list(features.FEATURES),
+                "interval": cfg.interval, "data_hash": table_hash(t),
+                "fit_seconds": time.perf_counter() - t0, "created": time.time(),
+                "params": {"n_estimators": cfg.n_estimators, "max_depth": cfg.max_depth,
+                           "min_samples_leaf": cfg.min_samples_leaf,
+                           "max_features": MAX_FEATURES, "max_samples": MAX_SAMPLES,
+                           "seed": cfg.seed},
+                "devices": _device_meta(t), "configs": _configs(t)}
         return cls(forests, sigma, z, meta)
 
+    # ------------------------------------------------------------- predicting
     def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
                 ) -> list[Prediction]:
         if not specs:
             return []
-        X = features.matrix(specs, infos)
-        roof = features.roofline_vector(specs, infos)
+        out = self.predict_table(Table.from_specs(specs, infos))
         preds = [Prediction() for _ in specs]
+        for target, res in out.items():
+            unit = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}[target]
+            for i, p in enumerate(preds):
+                setattr(p, unit, float(res["point"][i]))
+                setattr(p, f"{target}_lo", float(res["lo"][i]))
+                setattr(p, f"{target}_hi", float(res["hi"][i]))
+                p.sigma[target] = float(res["sigma"][i])
+        return preds
+
+    def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:
+        """Per target: point, lo, hi (SI units) and sigma (log space), one entry per row."""
+        if not len(t):
+            return {}
+        X32 = features.table_matrix(t).astype(np.float32)
+        logs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # log point, log-space sd
         for target, rf in self.forests.items():
-            per_tree = np.stack([t.predict(X) for t in rf.estimators_])
+            flat = self._flat.get(target)
+            if flat is None and X32.shape[0] <= _FLAT_MAX_ROWS:
+                flat = self._flat[target] = _FlatForest(rf.estimators_)
+            per_tree = _per_tree(rf, flat, X32)
             mean, spread = per_tree.mean(axis=0), per_tree.std(axis=0)
             sd = np.sqrt(spread**2 + self.sigma.get(target, 0.0) ** 2)
-            point = _from_model_space(target, mean, specs, roof)
-            lo = _from_model_space(target, mean - self.z * sd, specs, roof)
-            hi = _from_model_space(target, mean + self.z * sd, specs, roof)
-            name = {"runtime": "runtime", "power": "power", "energy": "energy"}[target]
-            unit = {"runtime": "_s", "power": "_w", "energy": "_j"}[target]
-            for i, p in enumerate(preds):
-                setattr(p, name + unit, float(point[i]))
-                setattr(p, name + "_lo", float(lo[i]))
-                setattr(p, name + "_hi", float(hi[i]))
-                p.sigma[target] = float(sd[i])
-        return preds
+            logs[target] = (np.log(from_model_space(target, t, mean)), sd)
+        if self.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(logs):
+            (lp, sp), (lr, sr) = logs["power"], logs["runtime"]
+            logs["energy"] = (lp + lr, np.hypot(sp, sr))
+        return {target: {"point": np.exp(mu), "lo": np.exp(mu - self.z * sd),
+                         "hi": np.exp(mu + self.z * sd), "sigma": sd}
+                for target, (mu, sd) in logs.items()}
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> str:
@@ -245,11 +431,51 @@ class ForestModel:
             payload = sio.load(str(path), trusted=sorted(set(untrusted)))
             _check_payload(payload, path)
             meta = json.loads(payload["meta"])
-            return cls(payload["forests"], dict(payload["sigma"]), float(payload["z"]), meta)
         except ModelError:
             raise
         except Exception as e:  # skops/zipfile/json raise many types on a corrupt file
             raise ModelError(f"model file {path} cannot be read: {type(e).__name__}: {e}") from e
+        if meta.get("format") != MODEL_FORMAT or meta.get("features") != list(features.FEATURES):
+            raise ModelError(f"model file {path} was fitted by another gemmd version (model "
+                             f"format {meta.get('format', 1)}, this gemmd reads "
+                             f"{MODEL_FORMAT}); refit it")
+        return cls(payload["forests"], dict(payload["sigma"]), float(payload["z"]), meta)
+
+    def device_infos(self) -> list[DeviceInfo]:
+        """The devices the model was trained on (from its metadata)."""
+        return [DeviceInfo(**d) for d in self.meta.get("devices", [])]
+
+
+def _device_meta(t: Table) -> list[dict[str, Any]]:
+    import dataclasses
+
+    used = sorted(set(t.device.tolist()))
+    return [json.loads(json.dumps(dataclasses.asdict(t.devices[j]), default=str)) for j in used]
+
+
+_CONFIG_COLUMNS = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
+                   "out_dtype")
+
+
+def _configs(t: Table, limit: int = 2000) -> list[dict[str, Any]]:
+    """Distinct kernel configurations seen in training, per device (for `gemmd advise`)."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    uuids = [d.uuid for d in t.devices]
+    cols = [t[c] for c in _CONFIG_COLUMNS]
+    for i in range(len(t)):
+        key = (t.device[i], *(c[i] for c in cols))
+        if key not in seen:
+            rec = {c: _plain(v) for c, v in zip(_CONFIG_COLUMNS, key[1:])}
+            seen[key] = {"device": uuids[int(key[0])], **rec}
+            if len(seen) >= limit:
+                break
+    return list(seen.values())
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-friendly scalar: integral floats as int."""
+    v = v.item() if hasattr(v, "item") else v
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 def _check_payload(payload: Any, path: Path) -> None:

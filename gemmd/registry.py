@@ -1,14 +1,15 @@
 """Which model predictions come from: load the active one, refit, keep the last N.
 
 A refit replaces the current model only if it is not worse on the probes the current model
-has never seen (the new forest's out-of-bag predictions against the old model's): comparing
-each model's error on its own training data would favour whichever overfits more.
+has never seen (cross-validated predictions of the new recipe against the old model's):
+comparing each model's error on its own training data would favour whichever overfits more.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -17,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError
+from gemmd.features import Table
 from gemmd.model import ForestModel, Prediction, RooflinePredictor
 from gemmd.probes import ProbeSpec
 from gemmd.state import State
@@ -138,23 +139,35 @@ class ModelRegistry:
         self.register(new)
         return "accepted"
 
-    @staticmethod
-    def _compare(new: ForestModel, old: ForestModel, rows: list[dict[str, Any]],
+    def _compare(self, new: ForestModel, old: ForestModel, rows: list[dict[str, Any]],
                  infos: list[DeviceInfo], idx: list[int]) -> tuple[float, float]:
-        specs = [features.spec_of(rows[i]) for i in idx]
-        inf = [infos[i] for i in idx]
-        measured = np.array([rows[i]["runtime_s"] for i in idx])
-        roof = features.roofline_vector(specs, inf)
-        rf = new.forests["runtime"]
-        if len(rf.oob_prediction_) != len(rows):  # some rows had no runtime: no alignment
+        """Runtime MAPE of each model on probes the old model never saw.
+
+        The old model is scored directly. The new recipe is scored out of sample too: two
+        forests, each fitted on everything but one half of those probes, predict that half
+        (the new model's own fit has seen them, and its out-of-bag estimates leave out
+        whole configurations, which the old model did see: neither would be fair).
+        """
+        t = Table.from_rows(rows, infos)
+        unseen = np.asarray(idx)
+        measured = t["runtime_s"][unseen]
+        old_pred = old.predict_table(t.take(unseen))["runtime"]["point"]
+        new_pred = np.full(len(unseen), np.nan)
+        halves = (unseen[0::2], unseen[1::2])
+        for j, held in enumerate(halves):
+            if not len(held):
+                continue
+            keep = np.setdiff1d(np.arange(len(t)), held)
+            try:
+                cv = ForestModel.fit_table(t.take(keep), self.cfg, targets=("runtime",))
+            except ModelError:
+                return 0.0, 0.0  # too little data to validate: nothing to compare
+            new_pred[j::2] = cv.predict_table(t.take(held))["runtime"]["point"]
+        ok = np.isfinite(measured) & np.isfinite(new_pred) & np.isfinite(old_pred)
+        if not ok.any():
             return 0.0, 0.0
-        # OOB predictions exist for every row only when each was left out of some bootstrap.
-        oob = np.exp(rf.oob_prediction_[idx]) * roof
-        old_pred = np.array([p.runtime_s for p in old.predict(specs, inf)])
-        ok = np.isfinite(oob)
-        new_err = float(np.mean(np.abs(oob[ok] - measured[ok]) / measured[ok])) if ok.any() \
-            else float("inf")
-        old_err = float(np.mean(np.abs(old_pred - measured) / measured))
+        new_err = float(np.mean(np.abs(new_pred[ok] - measured[ok]) / measured[ok]))
+        old_err = float(np.mean(np.abs(old_pred[ok] - measured[ok]) / measured[ok]))
         return new_err, old_err
 
     def register(self, model: ForestModel) -> int:
@@ -167,8 +180,9 @@ class ModelRegistry:
                                        model.meta["data_hash"], model.meta, activate=True)
         model.version = f"rf-{version}"
         self._set(model, created)
+        oob = model.meta.get("scores", {}).get("runtime", {}).get("oob_mape", math.nan)
         logger.info("model %s fitted on %d samples: runtime OOB MAPE %.2f%%", model.version,
-                    model.meta["n_samples"], 100 * model.meta["scores"]["runtime"]["oob_mape"])
+                    model.meta["n_samples"], 100 * oob)
         self._prune_files()
         return version
 

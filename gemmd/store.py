@@ -26,7 +26,7 @@ PROBE_COLUMNS = (
     "runtime_s", "runtime_mean_s", "runtime_min_s", "runtime_p90_s", "runtime_cv", "window_s",
     "energy_j", "power_w", "power_sample_w", "check_ok", "check_error",
     "pred_runtime_s", "pred_power_w", "pred_energy_j", "model_version", "flagged", "error",
-    "context",
+    "context", "batch", "cta_m", "cta_n", "cta_k", "stages", "alpha", "beta", "out_dtype",
 )
 
 _V1 = """
@@ -74,8 +74,21 @@ CREATE TABLE models (
 );
 """
 
+# Imported measurements carry configuration a daemon probe does not have (NULL = unknown:
+# batch 1, no CTA tile, alpha 1, beta 0, output in the input dtype).
+_V2 = """
+ALTER TABLE probes ADD COLUMN batch INTEGER;
+ALTER TABLE probes ADD COLUMN cta_m INTEGER;
+ALTER TABLE probes ADD COLUMN cta_n INTEGER;
+ALTER TABLE probes ADD COLUMN cta_k INTEGER;
+ALTER TABLE probes ADD COLUMN stages INTEGER;
+ALTER TABLE probes ADD COLUMN alpha REAL;
+ALTER TABLE probes ADD COLUMN beta REAL;
+ALTER TABLE probes ADD COLUMN out_dtype TEXT;
+"""
+
 # Index i holds the script that migrates from version i to i + 1.
-MIGRATIONS: Sequence[str] = (_V1,)
+MIGRATIONS: Sequence[str] = (_V1, _V2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

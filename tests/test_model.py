@@ -176,3 +176,73 @@ def test_refit_excludes_samples_flagged_as_drifting(tmp_path, dev):
                                                                 min_samples=30), State())
     assert reg.refit() == "insufficient_data"  # only 20 usable samples
     store.close()
+
+
+def test_injected_slowdown_flagged_while_drifting_is_not_learned(tmp_path, dev):
+    """Results taken while a device is flagged as drifting never reach a refit: a slowed
+    card stays slow relative to the model, so the alarm is not learned away."""
+    slow_dev = FakeDevice(0, FakeDeviceConfig(slowdown_factor=1.5))
+    assert slow_dev.info.uuid == dev.info.uuid  # the same card, slowed down
+
+    def run(flag_slow: bool) -> float:
+        store = Store(tmp_path / f"flag{flag_slow}.db")
+        store.upsert_device(dev.info.uuid, 0, dev.info.name, "fake",
+                            dataclasses.asdict(dev.info))
+        reg = ModelRegistry(store, tmp_path / f"models{flag_slow}",
+                            ModelConfig(n_estimators=30, min_samples=30), State())
+        store.insert_probes(_rows(dev, 80, seed=3))
+        assert reg.refit() == "accepted"
+        slowed = _rows(slow_dev, 80, seed=4, ts=9e9)
+        for r in slowed:
+            r["flagged"] = flag_slow  # as the daemon stores results while drifting
+        store.insert_probes(slowed)
+        reg.refit(force=True)
+        specs = [ProbeSpec(r["m"], r["n"], r["k"], r["dtype"]) for r in slowed]
+        preds, _ = reg.predict(specs, [dev.info] * len(specs))
+        store.close()
+        return float(np.median([r["runtime_s"] / p.runtime_s for r, p in zip(slowed, preds)]))
+
+    assert run(flag_slow=True) == pytest.approx(1.5, rel=0.1)
+    # Without the guard the refit learns the slow card as normal and the ratio collapses.
+    assert run(flag_slow=False) < 1.2
+
+
+def test_flat_walk_matches_scikit_learn(dev, fitted):
+    model, rows = fitted
+    specs = [ProbeSpec(r["m"], r["n"], r["k"], r["dtype"]) for r in rows[:100]]
+    infos = [dev.info] * len(specs)
+    together = model.predict(specs, infos)  # > 64 rows: scikit-learn's per-tree predict
+    for spec, p in zip(specs[:20], together):
+        (one,) = model.predict([spec], [dev.info])  # 1 row: the flat numpy walk
+        assert one.runtime_s == pytest.approx(p.runtime_s, rel=1e-12)
+        assert one.sigma == pytest.approx(p.sigma, rel=1e-9)
+
+
+def test_repeats_fit_as_one_row_and_energy_is_power_times_runtime(dev):
+    specs = [ProbeSpec(*(int(x) for x in s), dtype="bf16") for s in
+             np.random.default_rng(5).choice(SIZES, (12, 3))]
+    rows = []
+    for rep in range(5):
+        for spec in specs:
+            r = as_row(measure(dev, spec, MeasureConfig(window_s=0.2, warmup_s=0.0)))
+            r.update(device_uuid=dev.info.uuid, ts=1000.0 + rep)
+            rows.append(r)
+    m = ForestModel.fit(rows, [dev.info] * len(rows), ModelConfig(n_estimators=20,
+                                                                  min_samples=10))
+    assert len(m.forests["runtime"].oob_prediction_) == len(set(specs))  # 12, not 60
+    assert "energy" not in m.forests and m.meta["derived"] == {"energy": "power*runtime"}
+    (p,) = m.predict(specs[:1], [dev.info])
+    assert p.energy_j == pytest.approx(p.power_w * p.runtime_s, rel=1e-9)
+    assert p.energy_lo < p.energy_j < p.energy_hi
+    # Interval width for one measurement comes from the spread of the repeats.
+    assert 0 < m.sigma["runtime"] < 0.05
+    assert {c["dtype"] for c in m.meta["configs"]} == {"bf16"}
+
+
+def test_model_of_another_format_is_refused(tmp_path, fitted):
+    model, _ = fitted
+    old = ForestModel(model.forests, model.sigma, model.z, dict(model.meta, format=1))
+    path = tmp_path / "old.skops"
+    old.save(path)
+    with pytest.raises(ModelError, match="another gemmd version"):
+        ForestModel.load(path)

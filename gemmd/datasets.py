@@ -1,0 +1,548 @@
+"""Read external GEMM measurements (GPPerf, B200, XLA, gemmd's generic CSV) into a Table.
+
+Every loader converts to SI units on the way in (seconds, watts, joules) and gives each
+row the DeviceInfo of the GPU it ran on, from the datasheet table below. Any bad value
+is an InputError naming the file, the row (as a spreadsheet numbers it: the header is
+row 1) and the column; a file is read whole or not at all.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gemmd.config import DTYPES, LAYOUTS
+from gemmd.devices.base import DeviceInfo
+from gemmd.devices.nvidia import peak_flops
+from gemmd.errors import InputError
+from gemmd.features import KERNELS, NUMERIC_DEFAULTS, TARGET_COLUMNS, Table, concat, flops
+
+# ------------------------------------------------------------------ known GPUs
+
+T = 1e12
+
+
+def _nvidia(key: str, name: str, cc: tuple[int, int], sms: int, clock_hz: float,
+            bandwidth: float, memory: int, power_w: float) -> DeviceInfo:
+    return DeviceInfo(index=0, uuid=f"ref-{key}", name=name, backend="reference",
+                      peak_flops=peak_flops(cc, sms, clock_hz), mem_bandwidth=bandwidth,
+                      sm_count=sms, memory_bytes=memory, power_limit_w=power_w,
+                      extra={"vendor": "nvidia", "compute_capability": f"{cc[0]}.{cc[1]}",
+                             "sm_clock_hz": clock_hz, "key": key})
+
+
+# Datasheet figures. NVIDIA peaks are computed like the daemon's (FLOP/clock/SM x SMs x
+# clock): RTX 4070 at its 2.475 GHz boost, B200 at the 1.965 GHz the B200 data was taken
+# at, H100 SXM at 1.98 GHz. gfx950 (MI355X) is AMD's datasheet; it has no TF32 units, and
+# XLA's f32 GEMMs reach 1.0 PFLOP/s there (reduced-precision passes), so its "tf32" entry
+# is half the bf16 rate, which keeps every XLA f32 row below its roofline.
+KNOWN_GPUS: dict[str, DeviceInfo] = {
+    "rtx4070": _nvidia("rtx4070", "NVIDIA GeForce RTX 4070", (8, 9), 46, 2.475e9, 504e9,
+                       12 << 30, 200.0),
+    "b200": _nvidia("b200", "NVIDIA B200", (10, 0), 148, 1.965e9, 8e12, 192 << 30, 1000.0),
+    "h100-sxm": _nvidia("h100-sxm", "NVIDIA H100 SXM (sm_90)", (9, 0), 132, 1.98e9, 3.35e12,
+                        80 << 30, 700.0),
+    "mi355x": DeviceInfo(index=0, uuid="ref-mi355x", name="AMD Instinct MI355X (gfx950)",
+                         backend="reference",
+                         peak_flops={"fp64": 78.6 * T, "fp32": 157.3 * T, "tf32": 1250 * T,
+                                     "fp16": 2500 * T, "bf16": 2500 * T, "fp8": 5000 * T},
+                         mem_bandwidth=8e12, sm_count=256, memory_bytes=288 << 30,
+                         power_limit_w=1400.0, extra={"vendor": "amd", "key": "mi355x"}),
+}
+_ALIASES = {
+    "rtx4070": "rtx4070", "geforcertx4070": "rtx4070", "nvidiageforcertx4070": "rtx4070",
+    "b200": "b200", "nvidiab200": "b200", "b200sxm192gb": "b200", "sm100b200": "b200",
+    "sm100": "b200", "h100": "h100-sxm", "h100sxm": "h100-sxm", "nvidiah100sxm": "h100-sxm",
+    "sm90": "h100-sxm", "mi355x": "mi355x", "gfx950": "mi355x", "amdinstinctmi355x": "mi355x",
+}
+
+
+def known_gpu(name: str) -> DeviceInfo | None:
+    """The datasheet DeviceInfo for a GPU key or common name (case and punctuation ignored)."""
+    key = _ALIASES.get(re.sub(r"[^a-z0-9]", "", name.lower()))
+    return KNOWN_GPUS[key] if key else None
+
+
+def known_gpu_names() -> str:
+    return ", ".join(KNOWN_GPUS)
+
+
+# ------------------------------------------------------------------ datasets
+
+
+@dataclass
+class Dataset:
+    name: str  # the format (and source name for imports)
+    table: Table
+    paths: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def targets(self) -> list[str]:
+        """The targets measured on at least one row: runtime, power, energy."""
+        return [c.split("_")[0] for c in TARGET_COLUMNS
+                if np.isfinite(self.table[c]).any()]
+
+
+_MISSING = ("", "[N/A]", "N/A", "NA", "nan", "NaN", "-")
+
+
+class _Csv:
+    """A CSV file read whole: header, rows, and the spreadsheet row number of each."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        try:
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                reader = csv.reader(f)
+                self.header = [h.strip() for h in next(reader, [])]
+                self.rows: list[list[str]] = []
+                self.lines: list[int] = []
+                for rec in reader:
+                    if not rec or all(not x.strip() for x in rec):
+                        continue  # blank line
+                    if len(rec) != len(self.header):
+                        raise InputError(f"{self.path}: row {reader.line_num}: {len(rec)} "
+                                         f"fields, the header has {len(self.header)}")
+                    self.rows.append(rec)
+                    self.lines.append(reader.line_num)
+        except OSError as e:
+            raise InputError(f"{self.path}: cannot read: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise InputError(f"{self.path}: not UTF-8 text ({e.reason} at byte {e.start})"
+                             ) from e
+        except csv.Error as e:
+            raise InputError(f"{self.path}: not a CSV file: {e}") from e
+        if not self.header or self.header == [""]:
+            raise InputError(f"{self.path}: empty file (no header row)")
+        if not self.rows:
+            raise InputError(f"{self.path}: no data rows")
+        self._pos = {h: i for i, h in enumerate(self.header)}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def has(self, name: str) -> bool:
+        return name in self._pos
+
+    def require(self, *names: str) -> None:
+        missing = [n for n in names if n not in self._pos]
+        if missing:
+            raise InputError(f"{self.path}: missing column{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(missing)} (found: {', '.join(self.header)})")
+
+    def text(self, name: str) -> list[str]:
+        i = self._pos[name]
+        return [r[i].strip() for r in self.rows]
+
+    def error(self, i: int, name: str, msg: str) -> InputError:
+        return InputError(f"{self.path}: row {self.lines[i]}, column {name}: {msg}")
+
+    def floats(self, name: str, *, optional: bool = False, positive: bool = False,
+               integer: bool = False, lo: float | None = None, hi: float | None = None,
+               unit: str = "") -> np.ndarray:
+        """A numeric column; missing cells are NaN when ``optional``, else an error."""
+        vals = self.text(name)
+        clean = ["nan" if v in _MISSING else v.replace(",", "") for v in vals]
+        try:
+            x = np.array(clean, dtype=np.float64)
+        except ValueError:
+            x = None
+        if x is None:
+            for i, v in enumerate(clean):
+                try:
+                    float(v)
+                except ValueError:
+                    raise self.error(i, name, f"{vals[i]!r} is not a number") from None
+        assert x is not None
+        missing = np.array([v in _MISSING for v in vals])
+        for i in np.flatnonzero(~missing & ~np.isfinite(x))[:1]:
+            raise self.error(i, name, f"{vals[i]!r} is not a finite number")
+        if not optional:
+            for i in np.flatnonzero(missing)[:1]:
+                raise self.error(i, name, "value missing")
+        ok = ~missing
+        u = f" {unit}" if unit else ""
+        if positive:
+            for i in np.flatnonzero(ok & (x <= 0))[:1]:
+                raise self.error(i, name, f"{vals[i]}{u} is not positive")
+        if integer:
+            for i in np.flatnonzero(ok & (x != np.round(x)))[:1]:
+                raise self.error(i, name, f"{vals[i]!r} is not an integer")
+        if lo is not None:
+            for i in np.flatnonzero(ok & (x < lo))[:1]:
+                raise self.error(i, name, f"{vals[i]}{u} is below {lo:g}{u}")
+        if hi is not None:
+            for i in np.flatnonzero(ok & (x > hi))[:1]:
+                raise self.error(i, name, f"{vals[i]}{u} is above {hi:g}{u} (wrong unit?)")
+        return x
+
+    def choice(self, name: str, mapping: dict[str, str], what: str) -> np.ndarray:
+        vals = self.text(name)
+        out = np.empty(len(vals), dtype=object)
+        for i, v in enumerate(vals):
+            key = v.lower()
+            if key not in mapping:
+                raise self.error(i, name, f"{v!r} is not a known {what} "
+                                          f"({', '.join(sorted(set(mapping.values())))})")
+            out[i] = mapping[key]
+        return out
+
+
+def _table(size: int, info: DeviceInfo | Sequence[DeviceInfo],
+           device: np.ndarray | None = None, **cols: np.ndarray | str | float) -> Table:
+    """A Table of ``size`` rows; scalars broadcast, absent optional columns take defaults."""
+    n = size
+    full: dict[str, np.ndarray] = {}
+    for c in ("m", "n", "k"):
+        full[c] = np.asarray(cols.pop(c), dtype=np.float64)
+    for c, d in NUMERIC_DEFAULTS.items():
+        v = cols.pop(c, d)
+        full[c] = np.asarray(v, dtype=np.float64) if np.ndim(v) else np.full(n, float(v))
+    for c, d in (("dtype", "fp32"), ("kernel", "blas"), ("layout", "nn"), ("out_dtype", ""),
+                 ("variant", "")):
+        v = cols.pop(c, d)
+        full[c] = np.asarray(v, dtype=object) if np.ndim(v) else np.full(n, v, dtype=object)
+    for c in TARGET_COLUMNS:
+        v = cols.pop(c, math.nan)
+        full[c] = np.asarray(v, dtype=np.float64) if np.ndim(v) else np.full(n, float(v))
+    for c, v in cols.items():  # extra columns (ts, context) travel along
+        full[c] = np.asarray(v)
+    devices = list(info) if isinstance(info, (list, tuple)) else [info]
+    return Table(full, devices, np.zeros(n, dtype=np.int64) if device is None else device)
+
+
+def _gpu(name: str, path: str) -> DeviceInfo:
+    info = known_gpu(name)
+    if info is None:
+        raise InputError(f"{path}: unknown GPU {name!r} (known: {known_gpu_names()})")
+    return info
+
+
+def load_gpperf_cutlass(path: str | Path, gpu: str | None = None) -> Dataset:
+    """GPPerf's CUTLASS profiler runs (RTX 4070, fp32 SIMT). runtime_ms -> s; power_W as
+    is ("[N/A]" on most rows); energy = power x runtime where power was read."""
+    f = _Csv(path)
+    f.require("M", "N", "K", "layout", "cta_m", "cta_n", "cta_k", "runtime_ms", "power_W")
+    info = _gpu(gpu or (f.text("gpu_name")[0] if f.has("gpu_name") else "rtx4070"), f.path)
+    rt = f.floats("runtime_ms", positive=True, hi=1e7, unit="ms") / 1e3
+    pw = f.floats("power_W", optional=True, positive=True, hi=5000, unit="W")
+    opt = {c: f.floats(c) for c in ("stages", "alpha", "beta") if f.has(c)}
+    n = len(f)
+    t = _table(n, info, m=_dims(f, "M"), n=_dims(f, "N"), k=_dims(f, "K"),
+               dtype="fp32", kernel="cutlass",
+               layout=f.choice("layout", {x: x for x in LAYOUTS}, "layout"),
+               cta_m=_dims(f, "cta_m"), cta_n=_dims(f, "cta_n"), cta_k=_dims(f, "cta_k"),
+               runtime_s=rt, power_w=pw, energy_j=pw * rt, **opt,
+               **({"ts": f.floats("timestamp", optional=True)} if f.has("timestamp") else {}))
+    has_p = int(np.isfinite(pw).sum())
+    return Dataset("gpperf-cutlass", t, [f.path], [
+        f"power on {has_p:,} of {n:,} rows (one nvidia-smi reading per run)",
+        "energy = power x runtime on those rows (the profiler's energy_J_reported is "
+        "rounded to 1 mJ)"])
+
+
+def load_gpperf_tiled(path: str | Path, gpu: str | None = None) -> Dataset:
+    """GPPerf's naive tiled kernel: execution_times_all.csv (ms) or
+    power_usage_results_all.csv (W); one target per file."""
+    f = _Csv(path)
+    f.require("M", "N", "K", "Tile Size")
+    info = _gpu(gpu or "rtx4070", f.path)
+    if f.has("Execution Time"):
+        target = {"runtime_s": f.floats("Execution Time", positive=True, hi=1e7,
+                                        unit="ms") / 1e3}
+    elif f.has("Average Power Usage (W)"):
+        target = {"power_w": f.floats("Average Power Usage (W)", positive=True, hi=5000,
+                                      unit="W")}
+    else:
+        raise InputError(f"{f.path}: missing column Execution Time or Average Power Usage (W) "
+                         f"(found: {', '.join(f.header)})")
+    tile = f.floats("Tile Size", positive=True, integer=True, hi=32)
+    t = _table(len(f), info, m=_dims(f, "M"), n=_dims(f, "N"), k=_dims(f, "K"), dtype="fp32",
+               kernel="tiled", tile=tile, **target)
+    return Dataset("gpperf-tiled", t, [f.path])
+
+
+_B200_DTYPES = {"half": "fp16", "fp16": "fp16", "float16": "fp16", "bf16": "bf16",
+                "bfloat16": "bf16", "fp8": "fp8", "float": "fp32", "fp32": "fp32"}
+
+
+def load_b200(path: str | Path, gpu: str | None = None) -> Dataset:
+    """apex_plus B200 GEMMs: columns m,k,n (that order), time in us, energy in uJ."""
+    f = _Csv(path)
+    f.require("dtype", "m", "k", "n", "time(us)", "avg_power(W)", "avg_energy(uJ)")
+    infos = _gpus(f, "gpu", gpu)
+    rt = f.floats("time(us)", positive=True, hi=1e10, unit="us") / 1e6
+    t = _table(len(f), *infos, m=_dims(f, "m"), n=_dims(f, "n"), k=_dims(f, "k"),
+               dtype=f.choice("dtype", _B200_DTYPES, "dtype"), kernel="blas", runtime_s=rt,
+               power_w=f.floats("avg_power(W)", positive=True, hi=5000, unit="W"),
+               energy_j=f.floats("avg_energy(uJ)", positive=True, unit="uJ") / 1e6)
+    return Dataset("b200", t, [f.path], [
+        "time is whole microseconds: tiny GEMMs carry up to +-0.5 us (10% at 5 us)"])
+
+
+def _xla_dtype(s: str) -> tuple[str, str] | None:
+    """XLA's 'f8e4m3fnxf8e5m2->bf16' -> (input dtype, output dtype) in gemmd's names."""
+    m = re.fullmatch(r"([a-z0-9]+)x([a-z0-9]+)->([a-z0-9]+)", s)
+    if not m:
+        return None
+    names = {"f32": "tf32", "bf16": "bf16", "f16": "fp16", "f64": "fp64"}
+    out_names = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "f64": "fp64"}
+
+    def one(x: str, table: dict[str, str]) -> str | None:
+        return "fp8" if x.startswith("f8") else table.get(x)
+
+    a, b, o = one(m[1], names), one(m[2], names), one(m[3], out_names)
+    if a is None or b is None or o is None:
+        return None
+    return (a if a == b or "fp8" not in (a, b) else "fp8"), o
+
+
+def load_xla(path: str | Path, gpu: str | None = None) -> Dataset:
+    """OpenXLA's matmul table: runtime_us_derived = 2 b m n k / flops_per_s (us -> s).
+    f32 GEMMs are taken as TF32 (tensor cores), fp8 variants as fp8."""
+    f = _Csv(path)
+    f.require("gpu_key", "b", "m", "n", "k", "dtype", "runtime_us_derived")
+    infos = _gpus(f, "gpu_key", gpu)
+    raw = f.text("dtype")
+    dt, out = np.empty(len(f), dtype=object), np.empty(len(f), dtype=object)
+    for i, s in enumerate(raw):
+        pair = _xla_dtype(s)
+        if pair is None:
+            raise f.error(i, "dtype", f"{s!r} is not an XLA dtype like bf16xbf16->bf16")
+        dt[i], out[i] = pair
+    t = _table(len(f), *infos, batch=_dims(f, "b"), m=_dims(f, "m"), n=_dims(f, "n"),
+               k=_dims(f, "k"), dtype=dt, out_dtype=out, variant=np.asarray(raw, dtype=object),
+               kernel="blas",
+               runtime_s=f.floats("runtime_us_derived", positive=True, hi=1e10,
+                                  unit="us") / 1e6)
+    return Dataset("xla", t, [f.path], ["runtime is derived from XLA's FLOP/s figure",
+                                         "f32 x f32 is taken as TF32 on tensor cores"])
+
+
+def _dims(f: _Csv, name: str) -> np.ndarray:
+    return f.floats(name, positive=True, integer=True, hi=1 << 24)
+
+
+def _gpus(f: _Csv, column: str, gpu: str | None) -> tuple[list[DeviceInfo], np.ndarray]:
+    """(distinct DeviceInfos, index per row) from a GPU-name column, or ``gpu`` for all."""
+    if gpu is not None:
+        return [_gpu(gpu, f.path)], np.zeros(len(f), dtype=np.int64)
+    if not f.has(column):
+        raise InputError(f"{f.path}: missing column {column} (or give the GPU with --gpu; "
+                         f"known: {known_gpu_names()})")
+    names = f.text(column)
+    infos: list[DeviceInfo] = []
+    seen: dict[str, int] = {}
+    idx = np.empty(len(names), dtype=np.int64)
+    for i, name in enumerate(names):
+        j = seen.get(name)
+        if j is None:
+            info = known_gpu(name)
+            if info is None:
+                raise f.error(i, column, f"unknown GPU {name!r} (known: {known_gpu_names()})")
+            j = next((x for x, d in enumerate(infos) if d.uuid == info.uuid), None)
+            if j is None:
+                j = len(infos)
+                infos.append(info)
+            seen[name] = j
+        idx[i] = j
+    return infos, idx
+
+
+# ------------------------------------------------------------ gemmd's generic CSV
+
+DTYPE_ALIASES = {**{d: d for d in DTYPES}, "float64": "fp64", "double": "fp64",
+                 "float32": "fp32", "float": "fp32", "single": "fp32", "float16": "fp16",
+                 "half": "fp16", "bfloat16": "bf16", "float8": "fp8", "fp8_e4m3": "fp8",
+                 "fp8_e5m2": "fp8", "e4m3": "fp8", "e5m2": "fp8"}
+# Unit-suffixed target columns and their factor to SI.
+TARGET_UNITS = {
+    "runtime_s": ("runtime_s", 1.0), "runtime_ms": ("runtime_s", 1e-3),
+    "runtime_us": ("runtime_s", 1e-6), "power_w": ("power_w", 1.0),
+    "power_mw": ("power_w", 1e-3), "energy_j": ("energy_j", 1.0),
+    "energy_mj": ("energy_j", 1e-3), "energy_uj": ("energy_j", 1e-6),
+}
+_RUNTIME_NAMES = "runtime_s, runtime_ms or runtime_us"
+_UNITLESS = {"runtime": _RUNTIME_NAMES, "time": _RUNTIME_NAMES, "duration": _RUNTIME_NAMES,
+             "latency": _RUNTIME_NAMES, "power": "power_w or power_mw",
+             "energy": "energy_j, energy_mj or energy_uj"}
+CSV_OPTIONAL = ("gpu", "batch", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k",
+                "stages", "alpha", "beta", "out_dtype", "timestamp")
+# Sanity bounds: a value outside them is almost always a unit mistake.
+MAX_POWER_W = 5000.0
+MAX_PEAK_MULTIPLE = 4.0  # achieved FLOP/s above this multiple of the datasheet peak
+ENERGY_TOLERANCE = 2.0  # energy within this factor of power x runtime
+
+
+def load_csv(path: str | Path, gpu: str | None = None) -> Dataset:
+    """gemmd's generic CSV (docs/model.md): one GEMM per row, units in the column names."""
+    f = _Csv(path)
+    header = {h.lower(): h for h in f.header}
+    if len(header) != len(f.header):
+        raise InputError(f"{f.path}: duplicate column names in the header")
+    for h in f.header:
+        if h.lower() in _UNITLESS:
+            raise InputError(f"{f.path}: column {h} has no unit; name it "
+                             f"{_UNITLESS[h.lower()]}")
+    f.header = [h.lower() for h in f.header]
+    f._pos = {h: i for i, h in enumerate(f.header)}
+    f.require("m", "n", "k", "dtype")
+    known = {"m", "n", "k", "dtype", *CSV_OPTIONAL, *TARGET_UNITS}
+    unknown = [h for h in f.header if h not in known]
+    if unknown:
+        raise InputError(f"{f.path}: unknown column{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(unknown)} (see docs/model.md for the columns)")
+    targets = [c for c in f.header if c in TARGET_UNITS]
+    if not targets:
+        raise InputError(f"{f.path}: no measurement column: give at least one of "
+                         f"{', '.join(TARGET_UNITS)}")
+    seen: dict[str, str] = {}
+    for c in targets:
+        si = TARGET_UNITS[c][0]
+        if si in seen:
+            raise InputError(f"{f.path}: columns {seen[si]} and {c} both give {si}")
+        seen[si] = c
+    infos, device = _gpus(f, "gpu", gpu)
+    n = len(f)
+    cols: dict[str, np.ndarray | str | float] = {
+        "m": _dims(f, "m"), "n": _dims(f, "n"), "k": _dims(f, "k"),
+        "dtype": f.choice("dtype", DTYPE_ALIASES, "dtype")}
+    if f.has("batch"):
+        cols["batch"] = _opt_int(f, "batch", 1.0, 1 << 24)
+    if f.has("kernel"):
+        cols["kernel"] = f.choice("kernel", {k: k for k in KERNELS} | {"": "blas"}, "kernel")
+    if f.has("layout"):
+        cols["layout"] = f.choice("layout", {x: x for x in LAYOUTS} | {"": "nn"}, "layout")
+    if f.has("out_dtype"):
+        cols["out_dtype"] = f.choice("out_dtype", DTYPE_ALIASES | {"": ""}, "dtype")
+    for c, hi in (("tile", 32), ("cta_m", 4096), ("cta_n", 4096), ("cta_k", 4096),
+                  ("stages", 64)):
+        if f.has(c):
+            cols[c] = _opt_int(f, c, 0.0, hi)
+    for c, d in (("alpha", 1.0), ("beta", 0.0)):
+        if f.has(c):
+            x = f.floats(c, optional=True)
+            cols[c] = np.where(np.isfinite(x), x, d)
+    if f.has("timestamp"):
+        cols["ts"] = f.floats("timestamp", optional=True, lo=0)
+    for c in targets:
+        si, factor = TARGET_UNITS[c]
+        unit = {"w": "W", "mw": "mW", "us": "us"}.get(c.rsplit("_", 1)[1], c.rsplit("_", 1)[1])
+        hi = MAX_POWER_W / factor if si == "power_w" else None
+        cols[si] = f.floats(c, optional=True, positive=True, hi=hi, unit=unit) * factor
+    if "kernel" in cols:
+        tiled = cols["kernel"] == "tiled"
+        tile = cols.get("tile", np.zeros(n))
+        for i in np.flatnonzero(tiled & (np.asarray(tile) < 1))[:1]:
+            raise f.error(i, "tile", "the tiled kernel needs a tile size (1..32)")
+    t = _table(n, infos, device, **cols)
+    _check_plausible(f, t, seen)
+    rows_with = {si: int(np.isfinite(t[si]).sum()) for si in seen}
+    for i in np.flatnonzero(~np.any([np.isfinite(t[si]) for si in seen], axis=0))[:1]:
+        raise f.error(i, ", ".join(seen.values()), "no measurement on this row")
+    return Dataset("csv", t, [f.path], [f"{si}: {v:,} rows" for si, v in rows_with.items()])
+
+
+def _opt_int(f: _Csv, name: str, default: float, hi: float) -> np.ndarray:
+    x = f.floats(name, optional=True, integer=True, lo=0, hi=hi)
+    return np.where(np.isfinite(x), x, default)
+
+
+def _check_plausible(f: _Csv, t: Table, seen: dict[str, str]) -> None:
+    """Unit mistakes show as physically impossible rows: name the first one."""
+    from gemmd.features import peak_vector
+
+    if "runtime_s" in seen:
+        peak, _ = peak_vector(t)
+        rate = flops(t) / t["runtime_s"]
+        bad = np.isfinite(rate) & np.isfinite(peak) & (rate > MAX_PEAK_MULTIPLE * peak)
+        for i in np.flatnonzero(bad)[:1]:
+            raise f.error(i, seen["runtime_s"], f"{rate[i] / 1e12:.3g} TFLOP/s is over "
+                          f"{MAX_PEAK_MULTIPLE:g}x the {t.info(i).name}'s {t['dtype'][i]} peak "
+                          f"({peak[i] / 1e12:.3g} TFLOP/s): wrong unit?")
+    if {"runtime_s", "power_w", "energy_j"} <= set(seen):
+        ratio = t["energy_j"] / (t["power_w"] * t["runtime_s"])
+        bad = np.isfinite(ratio) & ((ratio > ENERGY_TOLERANCE) | (ratio < 1 / ENERGY_TOLERANCE))
+        for i in np.flatnonzero(bad)[:1]:
+            raise f.error(i, seen["energy_j"], f"energy is {ratio[i]:.3g}x power x runtime; "
+                          "expected about 1 (wrong unit?)")
+
+
+# ------------------------------------------------------------------ formats
+
+Loader = Callable[..., Dataset]
+FORMATS: dict[str, Loader] = {
+    "gpperf-cutlass": load_gpperf_cutlass, "gpperf-tiled": load_gpperf_tiled,
+    "b200": load_b200, "xla": load_xla, "csv": load_csv,
+}
+# A header that identifies each format (checked in this order by "auto").
+_SIGNATURES = (
+    ("gpperf-cutlass", {"cta_m", "runtime_ms", "power_W"}),
+    ("gpperf-tiled", {"Tile Size", "M", "N", "K"}),
+    ("b200", {"time(us)", "avg_power(W)", "avg_energy(uJ)"}),
+    ("xla", {"gpu_key", "runtime_us_derived"}),
+)
+
+
+def detect_format(path: str | Path) -> str:
+    """The format whose signature columns the file's header has, else "csv"."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as fh:
+            header = {h.strip() for h in next(csv.reader(fh), [])}
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise InputError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from e
+    for name, cols in _SIGNATURES:
+        if cols <= header:
+            return name
+    return "csv"
+
+
+def load(fmt: str, paths: Sequence[str | Path], gpu: str | None = None) -> Dataset:
+    """Read one or more files of a format ("auto": detected per file) into one Dataset."""
+    if not paths:
+        raise InputError("no input file given")
+    parts = []
+    for p in paths:
+        name = detect_format(p) if fmt == "auto" else fmt
+        if name not in FORMATS:
+            raise InputError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+        parts.append(FORMATS[name](p, gpu=gpu))
+    if len(parts) == 1:
+        return parts[0]
+    names = sorted({d.name for d in parts})
+    return Dataset("+".join(names), concat([d.table for d in parts]),
+                   [p for d in parts for p in d.paths],
+                   list(dict.fromkeys(n for d in parts for n in d.notes)))
+
+
+# The shared datasets the benchmark and tests use, relative to the data folder.
+SHARED = {
+    "gpperf-cutlass": ("gpperf-cutlass", ("gpperf/cutlass_rtx4070_results_clean.csv",)),
+    "gpperf-tiled": ("gpperf-tiled", ("gpperf/execution_times_all.csv",
+                                      "gpperf/power_usage_results_all.csv")),
+    "b200": ("b200", ("b200/b200_gemm_half.csv", "b200/b200_gemm_fp8.csv")),
+    "xla": ("xla", ("xla/xla_matmul_perf_table_latest.csv",)),
+}
+
+
+def shared_data_dir() -> Path | None:
+    """../shared/data next to the project (or $GEMMD_DATA), if present."""
+    import os
+
+    env = os.environ.get("GEMMD_DATA")
+    cands = [Path(env)] if env else []
+    root = Path(__file__).resolve().parent.parent
+    cands += [root.parent / "shared" / "data", root / "shared" / "data"]
+    return next((c for c in cands if (c / "gpperf").is_dir()), None)
+
+
+def load_shared(name: str, data_dir: Path) -> Dataset:
+    fmt, rel = SHARED[name]
+    return load(fmt, [data_dir / r for r in rel])

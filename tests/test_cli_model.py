@@ -1,0 +1,150 @@
+"""`gemmd import | fit | evaluate | predict | advise | report` end to end on small files."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from gemmd.cli import main
+from gemmd.cli_model import Progress
+from gemmd.store import Store
+
+SIZES = (256, 512, 768, 1024, 1536, 2048)
+PEAK, BW = 29.1e12, 504e9  # RTX 4070 fp32
+
+
+def make_csv(path, n: int = 90, seed: int = 0) -> None:
+    """Generic CSV: the paper's tiled kernel at tile-dependent efficiency, with power."""
+    rng = np.random.default_rng(seed)
+    eff = {8: 0.09, 16: 0.15, 32: 0.12}
+    lines = ["gpu,m,n,k,dtype,kernel,tile,runtime_ms,power_w"]
+    for _ in range(n):
+        m, nn, k = (int(x) for x in rng.choice(SIZES, 3))
+        tile = int(rng.choice(list(eff)))
+        t = 2 * m * nn * k / (PEAK * eff[tile]) * float(np.exp(rng.normal(0, 0.02)))
+        p = {8: 110.0, 16: 125.0, 32: 100.0}[tile] * float(np.exp(rng.normal(0, 0.01)))
+        lines.append(f"rtx4070,{m},{nn},{k},fp32,tiled,{tile},{t * 1e3:.6g},{p:.4g}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def env(tmp_path):
+    f = tmp_path / "tiled.csv"
+    make_csv(f)
+    return tmp_path, f, ["--state-dir", str(tmp_path / "state")]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse usage errors
+        rc = int(e.code)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_import_fit_predict_advise(capsys, env):
+    tmp, f, sd = env
+    rc, out, _ = run(capsys, "import", "--format", "csv", str(f), "--name", "lab", *sd)
+    assert rc == 0 and "imported 90 rows (runtime 90, power 90)" in out
+    assert "source 'lab'" in out
+    rc, out, _ = run(capsys, "fit", "--source", "lab", *sd)
+    assert rc == 0 and "saved to the store as model rf-1" in out
+    rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32",
+                     "--kernel", "tiled", "--tile", "16", "--json", *sd)
+    assert rc == 0
+    res = json.loads(out)
+    truth = 2 * 1024**3 / (PEAK * 0.15)
+    assert res["runtime"]["value"] == pytest.approx(truth, rel=0.15)
+    assert res["runtime"]["lo"] < res["runtime"]["value"] < res["runtime"]["hi"]
+    assert res["energy"]["value"] == pytest.approx(res["power"]["value"] *
+                                                   res["runtime"]["value"], rel=1e-6)
+    rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", *sd)
+    assert rc == 0 and "runtime" in out and "TFLOP/s" in out and "[" in out
+    # The paper's finding as a tool: tile 16 is fastest, tile 32 draws the least power.
+    rc, out, _ = run(capsys, "advise", "2048", "2048", "2048", "--json", *sd)
+    assert rc == 0
+    adv = json.loads(out)
+    assert adv["fastest"]["config"]["tile"] == 16
+    assert len(adv["configurations"]) == 3
+    rc, out, _ = run(capsys, "advise", "2048", "2048", "2048", *sd)
+    assert rc == 0 and "fastest:" in out and "most energy-efficient:" in out
+
+
+def test_evaluate_table_and_json(capsys, env):
+    tmp, f, sd = env
+    rc, out, _ = run(capsys, "evaluate", str(f), "--json", *sd)
+    assert rc == 0
+    res = json.loads(out)
+    assert set(res["splits"]) == {"random", "shape"}
+    assert {"gemmd", "gpperf"} <= set(res["splits"]["shape"])
+    assert res["splits"]["random"]["gemmd"]["targets"]["runtime"]["mape"] < 0.1
+    rc, out, _ = run(capsys, "evaluate", str(f), "--split", "shape", "--baseline", "none", *sd)
+    assert rc == 0 and re.search(r"shape\s+runtime\s+gemmd", out)
+    assert " gpperf " not in out.split("SPLIT")[1]
+
+
+def test_fit_on_files_writes_a_model_file(capsys, env):
+    tmp, f, sd = env
+    rc, _, err = run(capsys, "fit", str(f), *sd)
+    assert rc == 2 and "needs --out FILE" in err
+    rc, out, _ = run(capsys, "fit", str(f), "--out", str(tmp / "m.skops"), *sd)
+    assert rc == 0 and (tmp / "m.skops").is_file()
+    rc, out, _ = run(capsys, "predict", "512", "512", "512", "--dtype", "fp32", "--kernel",
+                     "tiled", "--tile", "8", "--model", str(tmp / "m.skops"), *sd)
+    assert rc == 0 and "NVIDIA GeForce RTX 4070" in out
+
+
+def test_errors_are_one_line(capsys, env):
+    tmp, f, sd = env
+    bad = tmp / "bad.csv"
+    bad.write_text("gpu,m,n,k,dtype,runtime_ms\nrtx4070,8,8,8,fp32,1\nrtx4070,8,x,8,fp32,1\n")
+    rc, _, err = run(capsys, "import", str(bad), "--format", "csv", *sd)
+    assert rc == 1
+    assert err == f"gemmd: error: {bad}: row 3, column n: 'x' is not a number\n"
+    store = Store(tmp / "state" / "gemmd.db")
+    assert store.counts() == []  # nothing half-imported
+    store.close()
+    rc, _, err = run(capsys, "predict", "8", "8", "8", "--dtype", "fp32", *sd)
+    assert rc == 1 and "no fitted model in the store" in err and err.count("\n") == 1
+    rc, _, err = run(capsys, "predict", "8", "8", "--dtype", "fp32", *sd)
+    assert rc == 2 and err.count("\n") == 1
+    rc, _, err = run(capsys, "evaluate", str(f), "--source", "x", *sd)
+    assert rc == 2 and "not both" in err
+    rc, _, err = run(capsys, "fit", "--source", "nothing", *sd)
+    assert rc == 1 and "no usable rows for source nothing" in err
+
+
+def test_report_writes_html_with_figures(capsys, env):
+    tmp, f, sd = env
+    rc, out, _ = run(capsys, "report", str(f), "--out", str(tmp / "rep"), *sd)
+    assert rc == 0
+    page = (tmp / "rep" / "report.html").read_text()
+    svgs = page.count("<svg")
+    assert svgs == 8  # 4 figures x (runtime, power)
+    for chunk in page.split("<svg")[1:]:
+        ET.fromstring("<svg" + chunk.split("</svg>")[0] + "</svg>")  # well-formed
+
+
+def test_progress_bar_only_on_a_terminal():
+    plain = io.StringIO()
+    p = Progress(3, "fitting", stream=plain)
+    p(1)
+    p.close()
+    assert plain.getvalue() == ""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    p = Progress(2, "fitting", stream=tty)
+    p(1)
+    p(1)
+    p.close()
+    assert "fitting [" in tty.getvalue() and "2/2" in tty.getvalue()
