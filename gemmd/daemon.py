@@ -97,6 +97,7 @@ class Daemon:
         self.cancel = threading.Event()
         self.stopping = threading.Event()
         self._first_fit = threading.Event()
+        self._first_fit_lock = threading.Lock()
         self._refit_lock = threading.Lock()
         self.runners: list[DeviceRunner] = []
         for d in self.devices:
@@ -186,9 +187,11 @@ class Daemon:
                 not self.stopping.is_set() and not self._first_fit.is_set():
             # First model as soon as enough data exists, not an hour later.
             n = len(self.store.probes(limit=self.cfg.model.min_samples))
-            if n >= self.cfg.model.min_samples:
-                self._first_fit.set()
-                self.scheduler.add_job(self.refit, id="first-fit", name="first fit")
+            with self._first_fit_lock:  # every device's job gets here: schedule it once
+                if n >= self.cfg.model.min_samples and not self._first_fit.is_set():
+                    self._first_fit.set()
+                    self.scheduler.add_job(self.refit, id="first-fit", name="first fit",
+                                           replace_existing=True)
 
     def refit(self) -> None:
         with self._refit_lock:
