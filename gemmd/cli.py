@@ -339,14 +339,23 @@ def _shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def _tile(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"tile {text!r} is not an integer") from None
-    if not 1 <= v <= 32:
-        raise argparse.ArgumentTypeError(f"tile {v} is outside 1..32")
-    return v
+def int_range(what: str, lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi], with a message naming ``what``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is not an integer") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{what} {v} is outside {lo}..{hi}")
+        return v
+
+    parse.__name__ = what  # argparse names the type in its own messages
+    return parse
+
+
+_tile = int_range("tile", 1, 32)
 
 
 def build_parser() -> argparse.ArgumentParser:

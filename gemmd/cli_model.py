@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gemmd.cli import int_range
 from gemmd.config import DTYPES, LAYOUTS
 from gemmd.errors import GemmdError, InputError
 
@@ -440,14 +441,7 @@ def _cta(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def _dim(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 1 <= v <= 1 << 24:
-        raise argparse.ArgumentTypeError(f"{v} is outside 1..16777216")
-    return v
+_dim = int_range("dimension", 1, 1 << 24)
 
 
 def _gemm_args(p: argparse.ArgumentParser, dtype_required: bool) -> None:
@@ -482,7 +476,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p = sub.add_parser("predict", parents=[common], help="runtime, power, energy of one GEMM")
     _gemm_args(p, dtype_required=True)
     p.add_argument("--kernel", choices=("blas", "tiled", "cutlass"), default="blas")
-    p.add_argument("--tile", type=int, help="tile edge of the tiled kernel")
+    p.add_argument("--tile", type=int_range("tile", 1, 32),
+                   help="tile edge of the tiled kernel")
     p.add_argument("--cta", type=_cta, help="CUTLASS CTA tile MxNxK")
     p.add_argument("--stages", type=int)
     p.add_argument("--layout", choices=LAYOUTS, default="nn")

@@ -128,6 +128,16 @@ class DaemonProc(LoggedProc):
 
 
 @pytest.fixture
+def store(tmp_path):
+    """A real SQLite store in a temporary directory."""
+    from gemmd.store import Store
+
+    s = Store(tmp_path / "gemmd.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
 def daemon_factory(tmp_path):
     procs: list[DaemonProc] = []
 

@@ -8,20 +8,13 @@ from gemmd import datasets, importer
 from gemmd.errors import InputError
 from gemmd.features import Table
 from gemmd.registry import training_data
-from gemmd.store import PROBE_COLUMNS, SCHEMA_VERSION, Store
+from gemmd.store import PROBE_COLUMNS, SCHEMA_VERSION
 
 CUTLASS = """\
 timestamp,M,N,K,kernel,layout,cta_m,cta_n,cta_k,stages,epilogue,alpha,beta,runtime_ms,power_W
 1731372844,512,1024,2048,k,nt,64,128,32,2,lc,1,0,0.5,70.0
 1731372849,1024,1024,2048,k,nn,128,128,32,2,lc,0.5,0.5,0.9,[N/A]
 """
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "gemmd.db")
-    yield s
-    s.close()
 
 
 def test_schema_has_the_import_columns(store):

@@ -25,13 +25,6 @@ def row(**over):
     return r
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "gemmd.db")
-    yield s
-    s.close()
-
-
 def test_open_sets_wal_and_schema_version(store):
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal"
     assert store.schema_version == SCHEMA_VERSION >= 1
