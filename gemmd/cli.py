@@ -328,15 +328,24 @@ class _Parser(argparse.ArgumentParser):
                                f"--help)\n" if " " in self.prog else f"gemmd: error: {message}\n")
 
 
-def _shape(text: str) -> tuple[int, int, int]:
-    try:
-        m, n, k = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} is not MxNxK, e.g. 1024x1024x1024"
-                                         ) from None
-    if min(m, n, k) < 1 or max(m, n, k) > 1 << 20:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: each dimension must be 1..1048576")
-    return m, n, k
+def mnk(what: str, example: str, hi: int = 1 << 20):
+    """An argparse type: "MxNxK", each a whole number in 1..hi, naming ``what``."""
+
+    def parse(text: str) -> tuple[int, int, int]:
+        try:
+            m, n, k = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is not MxNxK, e.g. {example}"
+                                             ) from None
+        if min(m, n, k) < 1 or max(m, n, k) > hi:
+            raise argparse.ArgumentTypeError(f"{what} {text!r}: each dimension must be 1..{hi}")
+        return m, n, k
+
+    parse.__name__ = what
+    return parse
+
+
+_shape = mnk("shape", "1024x1024x1024")
 
 
 def int_range(what: str, lo: int, hi: int):

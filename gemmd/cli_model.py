@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.cli import int_range
+from gemmd.cli import int_range, mnk
 from gemmd.config import DTYPES, LAYOUTS
 from gemmd.errors import GemmdError, InputError
 
@@ -432,15 +432,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ parser
 
 
-def _cta(text: str) -> tuple[int, int, int]:
-    try:
-        m, n, k = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cta {text!r} is not MxNxK, e.g. 128x128x32"
-                                         ) from None
-    return m, n, k
-
-
+_cta = mnk("cta", "128x128x32")
 _dim = int_range("dimension", 1, 1 << 24)
 
 

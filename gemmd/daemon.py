@@ -24,8 +24,8 @@ from gemmd.devices import Device, open_devices
 from gemmd.drift import DriftMonitor, DriftParams, residual_of
 from gemmd.errors import GemmdError
 from gemmd.exporter import Exposition, serve
-from gemmd.features import spec_of
-from gemmd.probes import Measurement
+from gemmd.features import COLUMN, spec_of
+from gemmd.probes import Measurement, ProbeSpec
 from gemmd.registry import ModelRegistry
 from gemmd.rounds import DeviceRunner
 from gemmd.state import ProbeState, State
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 8.0  # leaves headroom under systemd's and the tests' 10 s
 REBASELINE_REQUEST = "rebaseline.request"  # written by `gemmd rebaseline`
-_COL = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
 
 
 def sd_notify(message: str) -> bool:
@@ -236,23 +235,25 @@ class Daemon:
         infos = {r.device.info.uuid: r.device.info for r in self.runners}
         with self.state.lock:
             keys = list(drift.tracks)
-        by_dev: dict[str, list] = {}
+        by_dev: dict[str, dict[ProbeSpec, list[str]]] = {}
         for uuid, spec, target in keys:
-            by_dev.setdefault(uuid, []).append((spec, target))
-        for uuid, pairs in by_dev.items():
+            by_dev.setdefault(uuid, {}).setdefault(spec, []).append(target)
+        for uuid, targets_of in by_dev.items():
             info = infos.get(uuid)
             if info is None:
                 continue
             rows = self.store.probes(device_uuid=uuid, limit=5000)
-            for spec, target in pairs:
+            specs = list(targets_of)
+            # A prediction depends on the spec and device only: one per spec, in one batch.
+            preds, _ = self.registry.predict(specs, [info] * len(specs))
+            for spec, p in zip(specs, preds):
                 mine = [r for r in rows if r["kind"] == "sentinel" and spec_of(r) == spec][:n]
-                preds, _ = self.registry.predict([spec] * len(mine), [info] * len(mine))
-                res = [residual_of(r[_COL[target]], getattr(p, _COL[target]))
-                       for r, p in zip(mine, preds)]
-                res = [x for x in res if x is not None]
-                sigma = preds[0].sigma.get(target, 0.0) if preds else 0.0
-                with self.state.lock:
-                    drift.rereference(uuid, spec, target, res, sigma)
+                for target in targets_of[spec]:
+                    col = COLUMN[target]
+                    res = [x for x in (residual_of(r[col], getattr(p, col)) for r in mine)
+                           if x is not None]
+                    with self.state.lock:
+                        drift.rereference(uuid, spec, target, res, p.sigma.get(target, 0.0))
         with self.state.lock:
             drift.model_version = self.registry.current.version
         self._save_drift()

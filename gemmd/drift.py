@@ -43,12 +43,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemmd.features import COLUMN, TARGETS
 from gemmd.probes import ProbeSpec
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("runtime", "power", "energy")
-_ATTR = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
 
 
 @dataclass
@@ -287,8 +286,8 @@ class DriftMonitor:
 
 
 def measured_of(m: Any) -> dict[str, float | None]:
-    return {t: getattr(m, _ATTR[t]) for t in TARGETS}
+    return {t: getattr(m, COLUMN[t]) for t in TARGETS}
 
 
 def predicted_of(p: Any) -> dict[str, float | None]:
-    return {t: getattr(p, _ATTR[t]) for t in TARGETS}
+    return {t: getattr(p, COLUMN[t]) for t in TARGETS}

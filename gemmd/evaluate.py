@@ -18,8 +18,8 @@ import numpy as np
 from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.errors import InputError
-from gemmd.features import Table
-from gemmd.model import _COLUMN, TARGETS, ForestModel
+from gemmd.features import COLUMN, TARGETS, Table
+from gemmd.model import ForestModel
 
 SEED = 42
 TEST_SIZE = 0.2
@@ -127,7 +127,7 @@ class GPPerfBaseline:
         self.clip = (np.percentile(X, 1, axis=0), np.percentile(X, 99, axis=0))
         X = np.clip(X, *self.clip)
         for target in TARGETS:
-            y = t[_COLUMN[target]]
+            y = t[COLUMN[target]]
             ok = np.isfinite(y)
             if ok.sum() < 2:
                 if progress:
@@ -173,7 +173,7 @@ class GemmdModel:
 def score(t: Table, pred: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, float]]:
     out = {}
     for target, res in pred.items():
-        y = t[_COLUMN[target]]
+        y = t[COLUMN[target]]
         m = metrics(y, res["point"])
         if "lo" in res and m.get("n"):
             ok = np.isfinite(y)
@@ -187,7 +187,7 @@ def evaluate(t: Table, *, splits: Sequence[str] = SPLITS, baseline: bool = True,
              progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Fit and score gemmd (and the baseline) on each split; figures as plain dicts."""
     out: dict[str, Any] = {"rows": len(t), "shapes": int(len(np.unique(shape_groups(t)))),
-                           "measured": {tg: int(np.isfinite(t[_COLUMN[tg]]).sum())
+                           "measured": {tg: int(np.isfinite(t[COLUMN[tg]]).sum())
                                         for tg in TARGETS},
                            "seed": seed, "test_size": TEST_SIZE,
                            "noise_floor": noise_floor(t), "splits": {}}
@@ -227,7 +227,7 @@ def noise_floor(t: Table) -> dict[str, Any]:
     gid = features.config_ids(t)
     out: dict[str, Any] = {}
     for target in TARGETS:
-        y = t[_COLUMN[target]]
+        y = t[COLUMN[target]]
         ok = np.isfinite(y)
         g, v = gid[ok], y[ok]
         counts = np.bincount(g, minlength=gid.max() + 1 if len(gid) else 0)

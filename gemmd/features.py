@@ -28,7 +28,10 @@ NUMERIC_DEFAULTS = {"batch": 1.0, "tile": 0.0, "cta_m": 0.0, "cta_n": 0.0, "cta_
 # rows that differ only there are different configurations, not repeats.
 TEXT_DEFAULTS = {"dtype": "fp32", "kernel": "blas", "layout": "nn", "out_dtype": "",
                  "variant": ""}
-TARGET_COLUMNS = ("runtime_s", "power_w", "energy_j")
+TARGETS = ("runtime", "power", "energy")
+# Where each target is stored: probe rows, Measurement and Prediction use the same names.
+COLUMN = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
+TARGET_COLUMNS = tuple(COLUMN[t] for t in TARGETS)
 
 FEATURES = (
     "log2_m", "log2_n", "log2_k", "log2_batch", "log2_flops", "log2_intensity",

@@ -31,13 +31,11 @@ from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError
-from gemmd.features import Table
+from gemmd.features import COLUMN, TARGETS, Table
 from gemmd.probes import ProbeSpec
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("runtime", "power", "energy")
-_COLUMN = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
 # Bumped whenever features or target spaces change: older files are refused, not misread.
 MODEL_FORMAT = 2
 
@@ -114,7 +112,7 @@ def _scale(target: str, t: Table) -> np.ndarray:
 
 def to_model_space(target: str, t: Table, values: np.ndarray | None = None) -> np.ndarray:
     """log(measured / reference); NaN where not measured."""
-    raw = t[_COLUMN[target]] if values is None else values
+    raw = t[COLUMN[target]] if values is None else values
     with np.errstate(divide="ignore", invalid="ignore"):
         y = np.log(raw / _scale(target, t))
     y[~np.isfinite(y)] = np.nan
@@ -333,7 +331,7 @@ class ForestModel:
             raise ModelError("no runtime measurements to fit on")
         scores = {}
         for target, pred in oob.items():
-            meas = t[_COLUMN[target]]
+            meas = t[COLUMN[target]]
             has = np.isfinite(pred) & np.isfinite(meas)
             if has.any():
                 ape = np.abs(pred[has] - meas[has]) / meas[has]
@@ -453,7 +451,7 @@ def _device_meta(t: Table) -> list[dict[str, Any]]:
     return [json.loads(json.dumps(dataclasses.asdict(t.devices[j]), default=str)) for j in used]
 
 
-_CONFIG_COLUMNS = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
+_CONFIGCOLUMNS = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
                    "out_dtype")
 
 
@@ -461,11 +459,11 @@ def _configs(t: Table, limit: int = 2000) -> list[dict[str, Any]]:
     """Distinct kernel configurations seen in training, per device (for `gemmd advise`)."""
     seen: dict[tuple, dict[str, Any]] = {}
     uuids = [d.uuid for d in t.devices]
-    cols = [t[c] for c in _CONFIG_COLUMNS]
+    cols = [t[c] for c in _CONFIGCOLUMNS]
     for i in range(len(t)):
         key = (t.device[i], *(c[i] for c in cols))
         if key not in seen:
-            rec = {c: _plain(v) for c, v in zip(_CONFIG_COLUMNS, key[1:])}
+            rec = {c: _plain(v) for c, v in zip(_CONFIGCOLUMNS, key[1:])}
             seen[key] = {"device": uuids[int(key[0])], **rec}
             if len(seen) >= limit:
                 break

@@ -19,8 +19,7 @@ import numpy as np
 from gemmd import evaluate
 from gemmd.config import ModelConfig
 from gemmd.datasets import Dataset
-from gemmd.features import Table, flops
-from gemmd.model import _COLUMN, TARGETS
+from gemmd.features import COLUMN, TARGETS, Table, flops
 
 COLORS = {"gemmd": "#1f77b4", "gpperf": "#d62728", "measured": "#222222"}
 W, H, PAD = 560, 360, 56
@@ -162,7 +161,7 @@ def _lims(*arrays: np.ndarray) -> tuple[float, float]:
 
 
 def fig_scatter(target: str, meas: np.ndarray, preds: dict[str, np.ndarray]) -> str:
-    unit = _COLUMN[target].split("_")[1]
+    unit = COLUMN[target].split("_")[1]
     lo, hi = _lims(meas, *preds.values())
     c = _Svg(f"{target}: predicted vs measured (test rows)", f"measured ({unit})",
              f"predicted ({unit})", (lo, hi), (lo, hi), xlog=True, ylog=True)
@@ -188,7 +187,7 @@ def fig_by_shape(target: str, t: Table, meas: np.ndarray, preds: dict[str, np.nd
     x = np.arange(len(uniq), dtype=float)
     m = mean(meas)
     lo, hi = _lims(m, *(mean(p) for p in preds.values()))
-    unit = _COLUMN[target].split("_")[1]
+    unit = COLUMN[target].split("_")[1]
     c = _Svg(f"{target}: mean per shape, sorted by M x N", "shape (sorted by M x N, then K)",
              f"{target} ({unit})", (0, max(len(uniq) - 1, 1)), (lo, hi), ylog=True)
     c.line(x, m, COLORS["measured"], "measured", dash="5 3")
@@ -270,7 +269,7 @@ def write(ds: Dataset, out: Path, *, cfg: ModelConfig | None = None, split: str 
                                          if name in p}) for name in fit_s}
     sections = []
     for target in TARGETS:
-        meas = te[_COLUMN[target]]
+        meas = te[COLUMN[target]]
         if target not in preds or not np.isfinite(meas).any():
             continue
         p = preds[target]

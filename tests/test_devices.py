@@ -303,3 +303,19 @@ def test_cpu_busy_check_sees_other_processes_not_our_own_work():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_buffer_cache_drops_the_least_recently_used_to_stay_in_budget():
+    from gemmd.devices.base import BufferCache
+
+    cache = BufferCache(100)
+    cache.make_room(40)
+    cache.put(("a",), "A", 40)
+    cache.make_room(40)
+    cache.put(("b",), "B", 40)
+    assert cache.get(("a",)) == "A"  # a is now the most recently used
+    cache.make_room(40)  # 120 > 100: drop b, not a
+    cache.put(("c",), "C", 40)
+    assert cache.get(("b",)) is None and cache.values() == ["A", "C"]
+    cache.make_room(100)  # a single buffer of the whole budget: everything goes
+    assert cache.values() == []

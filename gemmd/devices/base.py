@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,39 @@ def roofline_seconds(info: DeviceInfo, spec: ProbeSpec) -> float | None:
     if not peak or not info.mem_bandwidth:
         return None
     return max(spec.flops / peak, spec.bytes / info.mem_bandwidth)
+
+
+class BufferCache:
+    """A device's input/output buffers per shape, within a byte budget: the least recently
+    used shapes are dropped to make room for a new one."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._items: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+
+    def get(self, key: tuple) -> Any:
+        """The buffers of ``key`` (now most recently used), or None."""
+        if key not in self._items:
+            return None
+        self._items.move_to_end(key)
+        return self._items[key][0]
+
+    def make_room(self, nbytes: int) -> None:
+        """Drop least recently used buffers until ``nbytes`` more fit (before allocating)."""
+        while self._items and nbytes + sum(n for _, n in self._items.values()) > self.budget:
+            self._items.popitem(last=False)
+
+    def put(self, key: tuple, buffers: Any, nbytes: int) -> None:
+        self._items[key] = (buffers, nbytes)
+
+    def __getitem__(self, key: tuple) -> Any:
+        return self._items[key][0]
+
+    def values(self) -> list[Any]:
+        return [b for b, _ in self._items.values()]
+
+    def clear(self) -> None:
+        self._items.clear()
 
 
 class Device(abc.ABC):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import Device, DeviceInfo
+from gemmd.devices.base import BufferCache, Device, DeviceInfo
 from gemmd.errors import DeviceError, UnsupportedProbe
 from gemmd.probes import DTYPE_BYTES, ProbeSpec, check_result
 
@@ -159,7 +159,7 @@ class CpuDevice(Device):
             memory_bytes=None, extra={"cores": cores, "peak": "estimated"})
         self._budget = memory_budget
         self._rng = np.random.default_rng(seed)
-        self._buffers: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._buffers = BufferCache(memory_budget)
         self.rapl = Rapl(powercap_root)
         if self.rapl.unavailable_reason:
             logger.info("CPU energy unavailable: %s; no power/energy series will be exported",
@@ -196,13 +196,10 @@ class CpuDevice(Device):
         if reason:
             raise UnsupportedProbe(f"{spec.name}: {reason}")
         key = self._key(spec)
-        if key in self._buffers:
+        if self._buffers.get(key) is not None:
             return
-        # Evict least recently prepared shapes until the new one fits the budget.
         need = self._bytes(spec)
-        while self._buffers and need + sum(
-                sum(a.nbytes for a in bufs) for bufs in self._buffers.values()) > self._budget:
-            self._buffers.pop(next(iter(self._buffers)))
+        self._buffers.make_room(need)
         dt = _NP_DTYPE[spec.dtype]
         # Random inputs, never zeros; stored transposed where the layout says so.
         a = self._rng.standard_normal((spec.k, spec.m) if spec.layout[0] == "t"
@@ -210,7 +207,7 @@ class CpuDevice(Device):
         b = self._rng.standard_normal((spec.n, spec.k) if spec.layout[1] == "t"
                                       else (spec.k, spec.n)).astype(dt)
         c = np.empty((spec.m, spec.n), dtype=dt)
-        self._buffers[key] = (a, b, c)
+        self._buffers.put(key, (a, b, c), need)
 
     def _operands(self, spec: ProbeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:

@@ -14,7 +14,6 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict
 from importlib import resources
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import Device, DeviceInfo
+from gemmd.devices.base import BufferCache, Device, DeviceInfo
 from gemmd.devices.nvml import GpuRecord, Nvml, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceUnavailable, UnsupportedProbe
 from gemmd.probes import DTYPE_BYTES, OUT_BYTES, ProbeSpec, check_result
@@ -212,7 +211,7 @@ class NvidiaDevice(Device):
         self._budget = memory_budget
         self._rng = cupy.random.default_rng(seed)
         self._host_rng = np.random.default_rng(seed)
-        self._bufs: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+        self._bufs = BufferCache(memory_budget)
         self._kernels: dict[int, Any] = {}
         self._per_iter: dict[ProbeSpec, float] = {}
 
@@ -256,12 +255,10 @@ class NvidiaDevice(Device):
         if reason:
             raise UnsupportedProbe(f"{spec.name}: {reason}")
         key = self._key(spec)
-        if key in self._bufs:
-            self._bufs.move_to_end(key)
+        if self._bufs.get(key) is not None:
             return
         need = buffer_bytes(spec)
-        while self._bufs and need + sum(b["bytes"] for b in self._bufs.values()) > self._budget:
-            self._bufs.popitem(last=False)
+        self._bufs.make_room(need)
         cp = self.cp
         with self._translate(f"allocate {spec.name}"), self.dev:
             a = self._random(spec.m * spec.k, spec.dtype)
@@ -270,7 +267,7 @@ class NvidiaDevice(Device):
                    "fp16": cp.float16, "bf16": cp.uint16}[spec.dtype]
             c = cp.zeros(spec.m * spec.n, dtype=out)
             self.stream.synchronize()
-        self._bufs[key] = {"a": a, "b": b, "c": c, "bytes": need}
+        self._bufs.put(key, {"a": a, "b": b, "c": c}, need)
         if spec.kernel == "tiled":
             self._kernel(spec.tile)
 
