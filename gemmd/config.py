@@ -166,6 +166,8 @@ class FakeDeviceConfig:
     slowdown_factor: float = _f(1.0, min=0.01, max=1000.0)
     slowdown_after_s: float = _f(0.0, min=0.0, max=1e9)
     fail_on_call: int = _f(0, min=0, max=1 << 40)  # 0 = never
+    # From this call on, a sticky CUDA error (illegal address): the context is unusable.
+    fault_on_call: int = _f(0, min=0, max=1 << 40)
     hang_on_call: int = _f(0, min=0, max=1 << 40)
     busy: bool = _f(False)
 

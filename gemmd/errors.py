@@ -20,6 +20,11 @@ class DeviceError(GemmdError):
     """A device failed (driver error, lost device, failed kernel)."""
 
 
+class DeviceFault(DeviceError):
+    """The device's context is unusable (a sticky CUDA error such as an illegal address):
+    the process that holds it must end; a worker-process device starts a fresh one."""
+
+
 class DeviceUnavailable(GemmdError):
     """A backend cannot be used on this host (no driver, no GPU, library missing)."""
 

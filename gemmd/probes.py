@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gemmd.errors import ProbeCancelled
+from gemmd.errors import DeviceError, ProbeCancelled
 
 if TYPE_CHECKING:
     from gemmd.config import ExplorationConfig, MeasureConfig, ProbeGroup
@@ -149,13 +149,16 @@ class Measurement:
     runtime_min_s: float
     runtime_p90_s: float
     runtime_cv: float  # coefficient of variation of per-iteration times
-    window_s: float  # wall time between the two energy-counter reads
+    window_s: float  # device clock from just before the first GEMM to just after the last
     energy_j: float | None = None  # per GEMM: counter delta / iterations
     power_w: float | None = None  # average: counter delta / window
-    power_sample_w: float | None = None  # one instantaneous reading (context only)
+    # One reading of NVML's power after the window (context only). Not instantaneous on
+    # Ampere and newer GPUs: NVML reports power averaged over the last second there.
+    power_sample_w: float | None = None
     context: dict[str, Any] = field(default_factory=dict)
     check_ok: bool | None = None  # None: not checked this time
     check_error: float | None = None
+    elapsed_s: float = 0.0  # device time the whole protocol took (buffers, warm-up, window)
 
     @property
     def tflops(self) -> float:
@@ -220,6 +223,7 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     ProbeCancelled (shutdown requested mid-probe; nothing is recorded).
     """
     cancel = cancel or threading.Event()
+    started = device.clock()
     device.prepare(spec)
     # Warm-up: at least warmup_iters and warmup_s of device time; its median sizes the window.
     # Batches double so that a microsecond GEMM does not cost thousands of host round trips.
@@ -233,27 +237,28 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     iters = iterations_for_window(float(np.median(warm)), cfg.window_s, cfg.min_iters,
                                   cfg.max_iters)
     ctx_before = device.context()
-    e0, t0 = device.energy_j(), device.clock()
-    times, steps = device.run_observed(spec, iters, cancel)
-    e1, t1 = device.energy_j(), device.clock()
+    run = device.run_observed(spec, iters, cancel)
     power_sample = device.power_w()
     if cancel.is_set():
         raise ProbeCancelled(spec.name)
+    if not run.times:
+        raise DeviceError(f"{spec.name}: the device ran no GEMM in the window")
     ctx_after = device.context()
-    window = t1 - t0
-    energy, power = energy_figures(e0, e1, window, iters)
+    iters, window = len(run.times), run.t1 - run.t0
+    energy, power = energy_figures(run.e0, run.e1, window, iters)
     method = "window" if energy is not None else None
-    step_power = power_between_steps(steps, window)
+    step_power = power_between_steps(run.steps, window)
     if step_power is not None:
         # Exact counter values at two observed steps while busy: no partial-step error.
-        power, energy, method = step_power, step_power * float(np.mean(times)), "steps"
+        power, energy, method = step_power, step_power * float(np.mean(run.times)), "steps"
     ctx_after = dict(ctx_after, energy_method=method)
     m = Measurement(spec=spec, iterations=iters, window_s=window, energy_j=energy,
                     power_w=power, power_sample_w=power_sample,
                     context={"before": ctx_before, "after": ctx_after},
-                    **iteration_stats(times))
+                    **iteration_stats(run.times))
     if check:
         m.check_ok, m.check_error = device.check(spec)
+    m.elapsed_s = max(0.0, device.clock() - started)
     return m
 
 

@@ -115,7 +115,10 @@ class DeviceRunner:
                 results.append(Result(spec, kind, "skipped", error="duty_cycle"))
                 continue
             check = bool(mcfg.check_every) and self._checks[spec] % mcfg.check_every == 0
-            t0 = self.device.clock()
+            # The parent's clock: asking a worker-process device for its clock would restart
+            # a worker that was just killed for hanging.
+            t0 = time.monotonic()
+            m = None
             with self.state.lock:
                 ds.in_flight_since, ds.in_flight = time.time(), spec.name
             try:
@@ -132,10 +135,13 @@ class DeviceRunner:
                 results.append(self._record_failure(spec, kind, failed))
                 break  # a failing device fails every probe: don't hammer it this round
             finally:
-                used += max(0.0, self.device.clock() - t0)
+                # A simulated device's time passes faster than the wall clock: count the
+                # longer of the two.
+                spent = max(time.monotonic() - t0, m.elapsed_s if m is not None else 0.0)
+                used += spent
                 with self.state.lock:
                     ds.in_flight_since, ds.in_flight = None, ""
-                    ds.probe_seconds_total += max(0.0, self.device.clock() - t0)
+                    ds.probe_seconds_total += spent
             self._checks[spec] += 1
             results.append(self._record(spec, kind, m))
         with self.state.lock:

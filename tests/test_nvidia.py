@@ -1,106 +1,20 @@
-"""NVIDIA backend without a GPU: NVML boundary (fake pynvml), pure arithmetic, layouts."""
+"""NVIDIA backend without a GPU: NVML boundary (stand-in pynvml), pure arithmetic, layouts.
+
+The backend end to end, and the real libraries, are in test_gpu_contract.py."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from cuda_standin import FakePynvml  # tied to the real pynvml's functions and constants
 
 from gemmd.devices import nvidia
 from gemmd.devices.nvml import Nvml, decode_reasons, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceUnavailable
 from gemmd.probes import ProbeSpec, check_result
-
-
-class FakePynvml:
-    """The subset of pynvml gemmd calls, over a list of GPU dicts."""
-
-    class NVMLError(Exception):
-        def __init__(self, value):
-            self.value = value
-            super().__init__({3: "Not Supported", 15: "GPU is lost", 12: "Library Not Found"
-                              }.get(value, f"error {value}"))
-
-    def __init__(self, gpus, init_error=None):
-        self.gpus = gpus
-        self.init_error = init_error
-
-    def _g(self, h):
-        if h.get("lost"):
-            raise self.NVMLError(15)
-        return h
-
-    def nvmlInit(self):
-        if self.init_error:
-            raise self.NVMLError(self.init_error)
-
-    def nvmlDeviceGetCount(self):
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return self.gpus[i]
-
-    def nvmlDeviceGetPciInfo(self, h):
-        return SimpleNamespace(busId=self._g(h)["bus"].encode())
-
-    def nvmlDeviceGetCudaComputeCapability(self, h):
-        return self._g(h).get("cc", (9, 0))
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(total=80 << 30)
-
-    def nvmlDeviceGetUUID(self, h):
-        return h["uuid"]
-
-    def nvmlDeviceGetName(self, h):
-        return b"NVIDIA H100 80GB HBM3"
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, h):
-        return 700_000
-
-    def nvmlDeviceGetMaxClockInfo(self, h, which):
-        return {1: 1980, 2: 2619}[which]
-
-    def nvmlDeviceGetMemoryBusWidth(self, h):
-        raise self.NVMLError(3)  # older drivers: not supported
-
-    def nvmlDeviceGetMigMode(self, h):
-        return (1, 1) if h.get("mig") else (0, 0)
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, h):
-        return len(h.get("mig", []))
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, h, j):
-        return {"uuid": h["mig"][j]}
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, h):
-        if "energy_mj" not in self._g(h):
-            raise self.NVMLError(3)
-        return h["energy_mj"]
-
-    def nvmlDeviceGetPowerUsage(self, h):
-        return self._g(h)["power_mw"]
-
-    def nvmlDeviceGetClockInfo(self, h, which):
-        return {1: 1755, 2: 2619}[which]
-
-    def nvmlDeviceGetTemperature(self, h, which):
-        return 61
-
-    def nvmlDeviceGetPerformanceState(self, h):
-        return 0
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
-        return h.get("reasons", 0)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        return [SimpleNamespace(pid=p) for p in h.get("pids", [])]
-
-    def nvmlDeviceGetUtilizationRates(self, h):
-        return SimpleNamespace(gpu=h.get("util", 0))
 
 
 def _gpus(**extra):
@@ -135,7 +49,7 @@ def test_telemetry_in_si_units_and_absent_counter():
 
 
 def test_nvml_errors_become_gemmd_errors():
-    with pytest.raises(DeviceUnavailable, match="NVML cannot start: Library Not Found"):
+    with pytest.raises(DeviceUnavailable, match="NVML cannot start: NVML Shared Library Not Found"):
         Nvml(FakePynvml([], init_error=12))
     nv = Nvml(FakePynvml(_gpus(lost=True)))
     with pytest.raises(DeviceError, match="GPU is lost"):
@@ -148,6 +62,7 @@ def test_decode_reasons_and_visible_devices():
     assert decode_reasons(0) == []
     assert decode_reasons(0x1 | 0x8) == ["gpu_idle", "hw_slowdown"]
     assert decode_reasons(0x10000) == ["unknown_0x10000"]
+    assert decode_reasons(0x200 | 0x400) == ["board_limit", "reliability"]
     assert parse_visible_devices(None) is None
     assert parse_visible_devices("") == []
     assert parse_visible_devices("1,GPU-ab, 0") == ["1", "GPU-ab", "0"]

@@ -174,3 +174,29 @@ def test_store_failure_keeps_measurement_and_counts_error(env, monkeypatch):
     results = runner.run_round()
     assert all(r.outcome == "ok" for r in results)
     assert state.store_errors_total == 6 and len(state.probes) == 4
+
+
+def test_a_round_does_not_restart_a_worker_it_saw_killed(tmp_path):
+    """Timing a probe must not call into the device: after a hung probe's worker is killed,
+    nothing in the round may start a new CUDA process (on a wedged GPU that would hang)."""
+    from gemmd.devices.worker import WorkerDevice
+
+    cfg = _cfg()
+    cfg = dataclasses.replace(cfg, probes=dataclasses.replace(
+        cfg.probes, measure=dataclasses.replace(cfg.probes.measure, timeout_s=2.0)))
+    dev = WorkerDevice(("fake", {"index": 0, "cfg": FakeDeviceConfig(hang_on_call=1),
+                                 "seed": 0, "noise": 0.01, "realtime": False,
+                                 "memory_budget": 1 << 30}), "GPU 0")
+    store, state = Store(tmp_path / "gemmd.db"), State()
+    try:
+        runner = DeviceRunner(dev, cfg, store, state,
+                              ModelRegistry(store, tmp_path / "models", cfg.model, state))
+        results = runner.run_round()
+        assert [r.outcome for r in results] == ["failed"]
+        assert "did not return within 2 s" in results[0].error
+        assert dev.pid is None and dev.restarts == 0
+        assert state.devices[dev.info.uuid].probe_seconds_total >= 2.0
+    finally:
+        dev.close()
+        store.close()
+    assert dev.restarts == 0  # nor does shutting down

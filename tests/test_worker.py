@@ -12,7 +12,7 @@ import pytest
 
 from gemmd.config import FakeDeviceConfig, MeasureConfig
 from gemmd.devices.worker import WorkerDevice
-from gemmd.errors import DeviceError, ProbeCancelled
+from gemmd.errors import DeviceError, DeviceFault, ProbeCancelled, UnsupportedProbe
 from gemmd.probes import ProbeSpec
 
 SPEC = ProbeSpec(1024, 1024, 1024, "bf16")
@@ -108,3 +108,25 @@ def test_close_kills_a_hung_worker(worker):
 def test_worker_start_failure_is_a_clear_error():
     with pytest.raises(DeviceError, match="unknown device kind 'nope'"):
         WorkerDevice(("nope", {}), "GPU 9")
+
+
+def test_unsupported_probe_reaches_the_parent_as_such():
+    d = WorkerDevice(("fake", {"index": 0, "cfg": FakeDeviceConfig(), "seed": 0,
+                               "noise": 0.01, "realtime": False, "memory_budget": 1 << 20}),
+                     "GPU 0")
+    try:
+        with pytest.raises(UnsupportedProbe, match="over the memory budget"):
+            d.measure(ProbeSpec(4096, 4096, 4096, "fp32"), FAST)
+        assert d.restarts == 0 and d.pid is not None  # not a device failure
+    finally:
+        d.close()
+
+
+def test_a_poisoned_context_ends_the_worker_and_the_next_call_gets_a_fresh_one(worker):
+    d = worker(fault_on_call=1)
+    pid = d.pid
+    with pytest.raises(DeviceFault, match="cudaErrorIllegalAddress.*fresh one starts"):
+        d.measure(SPEC, FAST)
+    assert d.pid is None  # ended, not left serving with a dead context
+    assert d.busy_reason() is None  # a call that runs no GEMM: the fresh worker answers
+    assert d.pid not in (None, pid) and d.restarts == 1

@@ -42,6 +42,23 @@ def roofline_seconds(info: DeviceInfo, spec: ProbeSpec) -> float | None:
     return max(spec.flops / peak, spec.bytes / info.mem_bandwidth)
 
 
+@dataclass
+class Run:
+    """What one back-to-back run of a GEMM observed, on the device's clock().
+
+    ``t0``/``e0`` are read just before the first GEMM is issued and ``t1``/``e1`` just after
+    the last one finished, so the window holds the work and nothing else; ``steps`` are the
+    energy counter's changes seen between them, as (clock(), joules).
+    """
+
+    times: list[float]  # device seconds per GEMM
+    t0: float
+    t1: float
+    e0: float | None = None
+    e1: float | None = None
+    steps: list[tuple[float, float]] = field(default_factory=list)
+
+
 class BufferCache:
     """A device's input/output buffers per shape, within a byte budget: the least recently
     used shapes are dropped to make room for a new one."""
@@ -57,10 +74,14 @@ class BufferCache:
         self._items.move_to_end(key)
         return self._items[key][0]
 
-    def make_room(self, nbytes: int) -> None:
-        """Drop least recently used buffers until ``nbytes`` more fit (before allocating)."""
+    def make_room(self, nbytes: int) -> int:
+        """Drop least recently used buffers until ``nbytes`` more fit (before allocating);
+        how many were dropped (a GPU backend then returns their memory to the driver)."""
+        dropped = 0
         while self._items and nbytes + sum(n for _, n in self._items.values()) > self.budget:
             self._items.popitem(last=False)
+            dropped += 1
+        return dropped
 
     def put(self, key: tuple, buffers: Any, nbytes: int) -> None:
         self._items[key] = (buffers, nbytes)
@@ -99,11 +120,14 @@ class Device(abc.ABC):
         Returns early (fewer times) when ``cancel`` is set.
         """
 
-    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event
-                     ) -> tuple[list[float], list[tuple[float, float]]]:
-        """Like run(), also returning energy-counter steps seen while the work ran:
-        [(clock(), joules)] at each change. Devices that can't watch return no steps."""
-        return self.run(spec, iterations, cancel), []
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> Run:
+        """Like run(), with the energy counter read around the work and, where the device
+        can watch it, its steps during the work. A device may round ``iterations`` up (to
+        whole chunks); len(Run.times) is what ran."""
+        e0, t0 = self.energy_j(), self.clock()
+        times = self.run(spec, iterations, cancel)
+        e1, t1 = self.energy_j(), self.clock()
+        return Run(times, t0, t1, e0, e1)
 
     @abc.abstractmethod
     def clock(self) -> float:

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from gemmd.config import FakeDeviceConfig
-from gemmd.devices.base import Device, DeviceInfo
-from gemmd.errors import DeviceError, UnsupportedProbe
+from gemmd.devices.base import Device, DeviceInfo, Run
+from gemmd.errors import DeviceError, DeviceFault, UnsupportedProbe
 from gemmd.probes import DTYPE_BYTES, OUT_BYTES, ProbeSpec
 
 
@@ -112,6 +112,7 @@ class FakeDevice(Device):
         self._points: deque[tuple[float, float]] = deque([(self._start, 0.0)], maxlen=4096)
         self._power = self.model.idle_w
         self._calls = 0
+        self._faulted = False
         self._closed = threading.Event()
         self._util = 0.0
 
@@ -176,6 +177,11 @@ class FakeDevice(Device):
         if self.cfg.fail_on_call and call >= self.cfg.fail_on_call:
             raise DeviceError(f"fake GPU {self.info.index}: injected failure on call {call} "
                               "(CUDA_ERROR_LAUNCH_FAILED)")
+        if self.cfg.fault_on_call and (call >= self.cfg.fault_on_call or self._faulted):
+            self._faulted = True  # like a poisoned CUDA context: every later call fails
+            raise DeviceFault(f"fake GPU {self.info.index}: run: CUDARuntimeError: "
+                              "cudaErrorIllegalAddress: an illegal memory access was "
+                              "encountered")
         if self.cfg.hang_on_call and call == self.cfg.hang_on_call:
             self._closed.wait()  # a real hang ignores cancellation; only close() ends it
             raise DeviceError(f"fake GPU {self.info.index}: hung probe abandoned")
@@ -191,12 +197,11 @@ class FakeDevice(Device):
             self._advance(total, power)
         return times.tolist()
 
-    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event
-                     ) -> tuple[list[float], list[tuple[float, float]]]:
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> Run:
         """Counter steps inside the run, as a host polling every ~1 ms would see them."""
-        start = self.clock()
+        e0, start = self.energy_j(), self.clock()
         times = self.run(spec, iterations, cancel)
-        end = self.clock()
+        e1, end = self.energy_j(), self.clock()
         first = math.floor((start - self._start) / _ENERGY_STEP_S) + 1
         steps = []
         with self._lock:
@@ -205,7 +210,7 @@ class FakeDevice(Device):
                 latency = float(self._rng.uniform(0.0, 0.001))
                 steps.append((b + latency, self._energy_at(b)))
                 j += 1
-        return times, steps
+        return Run(times, start, end, e0, e1, steps)
 
     def _power_for(self, util: float, slow: float, spec: ProbeSpec) -> float:
         m = self.model

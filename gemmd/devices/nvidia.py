@@ -1,4 +1,5 @@
-"""NVIDIA backend: cuBLAS GEMMs and the paper's tiled kernel through CuPy, NVML telemetry.
+"""NVIDIA backend: cuBLAS GEMMs and the paper's tiled kernel, replayed from CUDA graphs
+captured with CuPy; NVML telemetry.
 
 Imported only when the backend is auto or nvidia. Discovery runs on NVML alone in the
 daemon; each GPU's CuPy side lives in its own worker process (``worker.py``) by default.
@@ -21,9 +22,20 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import BufferCache, Device, DeviceInfo
+from gemmd.devices.base import BufferCache, Device, DeviceInfo, Run
+from gemmd.devices.cublas import (
+    COMPUTE,
+    CUDA_R,
+    GEMM_DEFAULT,
+    OP,
+    STATUS_EXECUTION_FAILED,
+    STATUS_INTERNAL_ERROR,
+    WORKSPACE_BYTES,
+    Cublas,
+    CublasError,
+)
 from gemmd.devices.nvml import GpuRecord, Nvml, parse_visible_devices
-from gemmd.errors import DeviceError, DeviceUnavailable, UnsupportedProbe
+from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable, UnsupportedProbe
 from gemmd.probes import DTYPE_BYTES, OUT_BYTES, ProbeSpec, check_result
 
 logger = logging.getLogger(__name__)
@@ -45,12 +57,10 @@ _PER_SM_CLOCK = {
     (12, 0): {"fp64": 4, "fp32": 256, "tf32": 512, "fp16": 1024, "bf16": 1024, "fp8": 2048},
 }
 
-# cuBLAS / CUDA enum values (cublas_api.h, library_types.h); stable across CUDA 11-13.
-CUDA_R = {"fp64": 1, "fp32": 0, "tf32": 0, "fp16": 2, "bf16": 14}
-CUBLAS_COMPUTE = {"fp64": 70, "fp32": 68, "tf32": 77, "fp16": 68, "bf16": 68}
-CUBLAS_OP = {"n": 0, "t": 1}
-CUBLAS_GEMM_DEFAULT = -1
-_MIN_CHUNK_S = 200e-6  # time per CUDA-event pair at least this long
+_MIN_CHUNK_S = 200e-6  # GPU time per CUDA-event pair (one graph launch) at least this long
+_MAX_CHUNK = 4096  # GEMMs per captured graph at most
+_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
+_POLL_S = 0.0005  # the energy watcher's polling period
 _CHECK_ROWS, _CHECK_COLS = 8, 256
 
 
@@ -75,7 +85,7 @@ def bandwidth(bus_width_bits: int | None, max_mem_clock_hz: float | None) -> flo
 def blas_args(spec: ProbeSpec) -> dict[str, int]:
     """cuBLAS gemmEx arguments for a column-major C(m x n) = op(A)(m x k) op(B)(k x n)."""
     ta, tb = spec.layout[0], spec.layout[1]
-    return {"transa": CUBLAS_OP[ta], "transb": CUBLAS_OP[tb],
+    return {"transa": OP[ta], "transb": OP[tb],
             "lda": spec.m if ta == "n" else spec.k, "ldb": spec.k if tb == "n" else spec.n,
             "ldc": spec.m}
 
@@ -103,10 +113,11 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def chunk_size(per_iter_s: float | None) -> int:
-    """GEMMs per CUDA-event pair: one each for slow GEMMs, enough for ~200 us otherwise."""
+    """GEMMs per CUDA-event pair (one graph): one each for slow GEMMs, enough for ~200 us
+    of GPU time otherwise, so that one graph launch per chunk keeps the GPU's queue full."""
     if not per_iter_s or per_iter_s >= _MIN_CHUNK_S or not math.isfinite(per_iter_s):
         return 1
-    return int(math.ceil(_MIN_CHUNK_S / per_iter_s))
+    return int(min(_MAX_CHUNK, math.ceil(_MIN_CHUNK_S / per_iter_s)))
 
 
 def unsupported(spec: ProbeSpec, cc: tuple[int, int], budget: int) -> str | None:
@@ -114,6 +125,11 @@ def unsupported(spec: ProbeSpec, cc: tuple[int, int], budget: int) -> str | None
     if spec.kernel == "tiled":
         if spec.dtype != "fp32":
             return "the tiled kernel is fp32 only"
+        rows = -(-spec.m // spec.tile)
+        if rows > _MAX_GRID_Y:
+            return (f"the tiled kernel would need {rows} thread blocks along M, over CUDA's "
+                    f"gridDim.y limit of {_MAX_GRID_Y} (use a tile of at least "
+                    f"{-(-spec.m // _MAX_GRID_Y)})")
     elif spec.dtype == "fp8":
         return "fp8 GEMMs need cuBLASLt, which CuPy does not expose"
     elif spec.dtype in ("tf32", "bf16") and tuple(cc) < (8, 0):
@@ -131,11 +147,44 @@ def buffer_bytes(spec: ProbeSpec) -> int:
     return ib * (spec.m * spec.k + spec.k * spec.n) + ob * spec.m * spec.n
 
 
-def visible(records: list[GpuRecord], env: str | None) -> list[GpuRecord]:
-    """The GPUs CUDA_VISIBLE_DEVICES lets this process use, in NVML index order."""
+def _bus(bus_id: str) -> str:
+    """A PCI bus id in one spelling: NVML's "00000000:18:00.0" and CUDA's "0000:18:00.0"."""
+    return bus_id.lower()[-12:]
+
+
+def cuda_visible_bus_ids() -> list[str] | None:
+    """PCI bus ids of the GPUs CUDA shows this process, in CUDA's order; None when CUDA
+    can't be asked. Initializes the driver, creates no context."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return [rt.deviceGetPCIBusId(i) for i in range(rt.getDeviceCount())]
+    except (ImportError, RuntimeError) as e:  # CUDARuntimeError is a RuntimeError
+        logger.debug("cannot ask CUDA which GPUs are visible: %s", e)
+        return None
+
+
+def visible(records: list[GpuRecord], env: str | None,
+            cuda_bus_ids: list[str] | None = None) -> list[GpuRecord]:
+    """The GPUs CUDA_VISIBLE_DEVICES lets this process use, in CUDA's order.
+
+    Numeric entries are CUDA ordinals, which follow CUDA_DEVICE_ORDER (fastest first by
+    default), not NVML's PCI order: they are resolved through the PCI bus ids CUDA reports
+    (``cuda_bus_ids``). UUID entries are matched directly.
+    """
     wanted = parse_visible_devices(env)
     if wanted is None:
         return records
+    if cuda_bus_ids is not None and any(w.isdigit() for w in wanted):
+        by_bus = {_bus(r.pci_bus_id): r for r in records}
+        return [by_bus[_bus(b)] for b in cuda_bus_ids if _bus(b) in by_bus]
+    if any(w.isdigit() for w in wanted) and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" \
+            and len({r.name for r in records}) > 1:
+        logger.warning("CUDA_VISIBLE_DEVICES=%s names GPUs by CUDA ordinal, CUDA could not be "
+                       "asked which GPUs those are, and this host mixes GPU models (CUDA "
+                       "numbers them fastest first): assuming NVML order; set "
+                       "CUDA_DEVICE_ORDER=PCI_BUS_ID or use GPU UUIDs", env)
     out = []
     for w in wanted:
         for r in records:
@@ -149,7 +198,10 @@ def visible(records: list[GpuRecord], env: str | None) -> list[GpuRecord]:
 def open_all(*, memory_budget: int, isolation: str = "process", seed: int = 0) -> list[Device]:
     """Every usable GPU; MIG-enabled GPUs are reported and left out."""
     nvml = Nvml()
-    records = visible(nvml.discover(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    wanted = parse_visible_devices(env) or []
+    bus_ids = cuda_visible_bus_ids() if any(w.isdigit() for w in wanted) else None
+    records = visible(nvml.discover(), env, bus_ids)
     if not records:
         raise DeviceUnavailable("NVML reports no GPU visible to this process "
                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
@@ -176,28 +228,76 @@ def open_all(*, memory_budget: int, isolation: str = "process", seed: int = 0) -
     return devices
 
 
-class NvidiaDevice(Device):
-    def __init__(self, record: GpuRecord, *, memory_budget: int, seed: int = 0,
-                 nvml: Nvml | None = None):
+class _EnergyWatcher:
+    """Polls the energy counter from its own thread while the GPU works, keeping each
+    change as (time.monotonic(), joules). The thread that enqueues GEMMs never polls, so
+    watching cannot starve the GPU; NVML calls release the GIL."""
+
+    def __init__(self, read: Any, period: float = _POLL_S):
+        self._read, self._period = read, period
+        self.steps: list[tuple[float, float]] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gemmd-energy-watch",
+                                        daemon=True)
+
+    def _run(self) -> None:
         try:
-            import cupy
-        except ImportError as e:
-            raise DeviceUnavailable("CuPy is not installed (pip install 'gemmd[cuda12]')") from e
+            last = self._read()
+            while not self._stop.is_set():
+                e = self._read()
+                if e is not None and e != last:
+                    self.steps.append((time.monotonic(), e))
+                    last = e
+                self._stop.wait(self._period)
+        except Exception as e:  # reported by the caller: watching is best effort
+            self.error = e
+
+    def __enter__(self) -> _EnergyWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+class NvidiaDevice(Device):
+    """One GPU through CuPy (memory, streams, events, graphs, NVRTC) and cuBLAS (ctypes).
+
+    ``cupy``, ``cublas`` and ``nvml`` are injected in tests (stand-ins checked against the
+    real libraries); by default the real ones are used.
+    """
+
+    def __init__(self, record: GpuRecord, *, memory_budget: int, seed: int = 0,
+                 nvml: Nvml | None = None, cupy: Any = None, cublas: Cublas | None = None):
+        if cupy is None:
+            try:
+                import cupy
+            except ImportError as e:
+                raise DeviceUnavailable(
+                    "CuPy is not installed (pip install 'gemmd[cuda12]')") from e
         self.cp = cupy
         self.record = record
         self.nvml = nvml or Nvml()
         self.h = self.nvml.handle(record.index)
-        self._errors = _cupy_errors(cupy)
+        self._errors, self._faults = _cupy_errors(cupy)
+        self.handle = 0
         with self._translate("open"):
             ordinal = self._ordinal(record.pci_bus_id)
             self.dev = cupy.cuda.Device(ordinal)
             self.dev.use()
             props = cupy.cuda.runtime.getDeviceProperties(ordinal)
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            from cupy_backends.cuda.libs import cublas
-
-            self.cublas = cublas
-            self.handle = cupy.cuda.device.get_cublas_handle()
+            try:
+                self.blas = cublas or Cublas()
+            except OSError as e:
+                raise DeviceUnavailable(f"GPU {record.index}: cannot load cuBLAS: {e}") from e
+            self.handle = self.blas.create()
+            # A workspace of our own: cuBLAS cannot allocate one while a graph is captured.
+            self._workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+            self.blas.set_workspace(self.handle, self._workspace.data.ptr, WORKSPACE_BYTES)
+            self.blas.set_stream(self.handle, self.stream.ptr)
         sm = int(props["multiProcessorCount"])
         clock = record.max_sm_clock_hz or float(props["clockRate"]) * 1e3
         self.info = DeviceInfo(
@@ -213,24 +313,34 @@ class NvidiaDevice(Device):
         self._host_rng = np.random.default_rng(seed)
         self._bufs = BufferCache(memory_budget)
         self._kernels: dict[int, Any] = {}
-        self._per_iter: dict[ProbeSpec, float] = {}
+        self._chunks: dict[tuple, int] = {}  # GEMMs per graph, fixed after the first run
+        self._events: list[Any] = []  # reused CUDA events
+        self._graphs_ok = True
+        self._has_counter = self.energy_j() is not None
+        self._scalars = {  # alpha = 1, beta = 0 in host memory (kept alive here)
+            np.float32: (np.ones(1, np.float32), np.zeros(1, np.float32)),
+            np.float64: (np.ones(1, np.float64), np.zeros(1, np.float64))}
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
     def _translate(self, what: str) -> Iterator[None]:
-        """CUDA, cuBLAS, NVRTC and allocation errors become DeviceError (cause kept)."""
+        """CUDA, cuBLAS, NVRTC and allocation errors become DeviceError (cause kept); those
+        that leave the CUDA context unusable become DeviceFault."""
         try:
             yield
         except self._errors as e:
-            raise DeviceError(f"GPU {self.record.index}: {what}: {type(e).__name__}: "
-                              f"{e}") from e
+            fatal = isinstance(e, self._faults) or (
+                isinstance(e, CublasError) and e.status in (STATUS_EXECUTION_FAILED,
+                                                            STATUS_INTERNAL_ERROR))
+            cls = DeviceFault if fatal else DeviceError
+            raise cls(f"GPU {self.record.index}: {what}: {type(e).__name__}: {e}") from e
 
     def _ordinal(self, bus_id: str) -> int:
         """CUDA ordinal of the GPU with this PCI bus id (CUDA and NVML orders differ)."""
         rt = self.cp.cuda.runtime
-        want = bus_id.lower()[-12:]
+        want = _bus(bus_id)
         for i in range(rt.getDeviceCount()):
-            if rt.deviceGetPCIBusId(i).lower()[-12:] == want:
+            if _bus(rt.deviceGetPCIBusId(i)) == want:
                 return i
         raise DeviceUnavailable(f"GPU {self.record.index} ({bus_id}) is not visible to CUDA")
 
@@ -256,18 +366,27 @@ class NvidiaDevice(Device):
             raise UnsupportedProbe(f"{spec.name}: {reason}")
         key = self._key(spec)
         if self._bufs.get(key) is not None:
+            if spec.kernel == "tiled":
+                self._kernel(spec.tile)
             return
         need = buffer_bytes(spec)
-        self._bufs.make_room(need)
         cp = self.cp
         with self._translate(f"allocate {spec.name}"), self.dev:
-            a = self._random(spec.m * spec.k, spec.dtype)
-            b = self._random(spec.k * spec.n, spec.dtype)
-            out = {"fp64": cp.float64, "fp32": cp.float32, "tf32": cp.float32,
-                   "fp16": cp.float16, "bf16": cp.uint16}[spec.dtype]
-            c = cp.zeros(spec.m * spec.n, dtype=out)
+            if self._bufs.make_room(need):
+                # Evicted arrays go back to CuPy's pool; hand the pool's free blocks back
+                # to the driver so that the budget bounds what the GPU really holds.
+                self.stream.synchronize()
+                cp.get_default_memory_pool().free_all_blocks()
+            # Generated on the probe stream and waited for there: the first GEMM must not
+            # read inputs still being written.
+            with self.stream:
+                a = self._random(spec.m * spec.k, spec.dtype)
+                b = self._random(spec.k * spec.n, spec.dtype)
+                out = {"fp64": cp.float64, "fp32": cp.float32, "tf32": cp.float32,
+                       "fp16": cp.float16, "bf16": cp.uint16}[spec.dtype]
+                c = cp.zeros(spec.m * spec.n, dtype=out)
             self.stream.synchronize()
-        self._bufs.put(key, {"a": a, "b": b, "c": c}, need)
+        self._bufs.put(key, {"a": a, "b": b, "c": c, "graphs": {}}, need)
         if spec.kernel == "tiled":
             self._kernel(spec.tile)
 
@@ -287,82 +406,113 @@ class NvidiaDevice(Device):
     def _kernel(self, tile: int) -> Any:
         if tile not in self._kernels:
             src = resources.files("gemmd.kernels").joinpath("tiled_gemm.cu").read_text()
-            with self._translate(f"compile tiled kernel TILE={tile}"):
+            with self._translate(f"compile tiled kernel TILE={tile}"), self.dev:
                 mod = self.cp.RawModule(code=src, options=(f"-DTILE={tile}",))
                 self._kernels[tile] = mod.get_function("tiled_gemm")
         return self._kernels[tile]
 
-    def _launcher(self, spec: ProbeSpec):
-        bufs = self._bufs[self._key(spec)]
+    def _launcher(self, spec: ProbeSpec, bufs: dict[str, Any]) -> Any:
+        """A no-argument callable that enqueues one GEMM on the probe stream; everything
+        it needs (pointers, scalars, enums) is computed here, once."""
         a, b, c = bufs["a"], bufs["b"], bufs["c"]
         if spec.kernel == "tiled":
             t = spec.tile
             kern = self._kernel(t)
             grid = ((spec.n + t - 1) // t, (spec.m + t - 1) // t)
             args = (a, b, c, np.int32(spec.m), np.int32(spec.n), np.int32(spec.k))
-            return lambda: kern(grid, (t, t), args)  # on the current stream
+            return lambda: kern(grid, (t, t), args)  # on the current stream: ours
         ba = blas_args(spec)
-        scalar = np.float64 if spec.dtype == "fp64" else np.float32
-        one, zero = np.ones(1, dtype=scalar), np.zeros(1, dtype=scalar)
-        dt, comp = CUDA_R[spec.dtype], CUBLAS_COMPUTE[spec.dtype]
-        cublas, handle = self.cublas, self.handle  # CuPy binds the handle to the current stream
+        one, zero = self._scalars[np.float64 if spec.dtype == "fp64" else np.float32]
+        gemm = self.blas.gemm_ex
+        dt = CUDA_R[spec.dtype]
+        call = (self.handle, ba["transa"], ba["transb"], spec.m, spec.n, spec.k,
+                one.ctypes.data, a.data.ptr, dt, ba["lda"], b.data.ptr, dt, ba["ldb"],
+                zero.ctypes.data, c.data.ptr, dt, ba["ldc"], COMPUTE[spec.dtype],
+                GEMM_DEFAULT)
+        return lambda: gemm(*call)  # on the handle's stream: ours
 
-        def launch():
-            cublas.gemmEx(handle, ba["transa"], ba["transb"], spec.m, spec.n, spec.k,
-                          one.ctypes.data, a.data.ptr, dt, ba["lda"], b.data.ptr, dt, ba["ldb"],
-                          zero.ctypes.data, c.data.ptr, dt, ba["ldc"], comp, CUBLAS_GEMM_DEFAULT)
-        return launch
+    def _replay(self, spec: ProbeSpec, bufs: dict[str, Any], n: int) -> Any:
+        """A callable that enqueues ``n`` GEMMs: one launch of a CUDA graph captured once
+        (cached with the buffers), or, where capture fails, ``n`` direct launches."""
+        graphs = bufs["graphs"]
+        if n in graphs:
+            return graphs[n].launch
+        launch = self._launcher(spec, bufs)
+        if self._graphs_ok:
+            try:
+                self.stream.begin_capture()
+                try:
+                    for _ in range(n):
+                        launch()
+                finally:
+                    graph = self.stream.end_capture()
+                graphs[n] = graph
+                return graph.launch
+            except self._errors as e:
+                self._graphs_ok = False
+                logger.warning("GPU %s: CUDA graph capture failed (%s: %s); launching GEMMs "
+                               "one by one: small GEMMs will be timed host-bound",
+                               self.record.index, type(e).__name__, e)
+
+        def direct() -> None:
+            for _ in range(n):
+                launch()
+        return direct
+
+    def _event_pool(self, n: int) -> list[Any]:
+        while len(self._events) < n:
+            self._events.append(self.cp.cuda.Event())
+        return self._events[:n]
 
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
-        return self.run_observed(spec, iterations, cancel, watch=False)[0]
+        return self.run_observed(spec, iterations, cancel).times
 
-    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event,
-                     watch: bool = True) -> tuple[list[float], list[tuple[float, float]]]:
-        """Back-to-back GEMMs on one stream, timed with CUDA events per chunk.
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> Run:
+        """Back-to-back GEMMs on the probe stream, one graph launch per chunk of GEMMs and a
+        CUDA event between chunks. Warm-up and timed window run this same code, the energy
+        watcher included, so that the window is measured as the warm-up sized it.
 
-        With ``watch``, the host polls NVML's energy counter while the GPU works (launches
-        are asynchronous): between enqueued chunks, then every 0.5 ms until the last event
-        completes, recording (time, joules) at each step.
+        The chunk size is fixed after the first call for a shape (one GEMM, timed); graphs
+        are captured before ``t0``, and ``iterations`` is rounded up to whole chunks.
         """
-        cp = self.cp
-        steps: list[tuple[float, float]] = []
-        last = [self.energy_j() if watch else None]
-
-        def poll() -> None:
-            e = self.energy_j()
-            if e is not None and e != last[0]:
-                steps.append((time.monotonic(), e))
-                last[0] = e
-
-        chunk = chunk_size(self._per_iter.get(spec))
-        sizes = [chunk] * (iterations // chunk) + ([iterations % chunk] if iterations % chunk
-                                                   else [])
-        times: list[float] = []
+        key = self._key(spec)
+        bufs = self._bufs.get(key)
+        if bufs is None:
+            self.prepare(spec)
+            bufs = self._bufs[key]
+        chunk = self._chunks.get(key, 1)
+        n = max(1, -(-iterations // chunk))
+        get_time = self.cp.cuda.get_elapsed_time
+        watch = self._has_counter
         with self._translate(f"run {spec.name}"), self.dev, self.stream:
-            launch = self._launcher(spec)
-            events = [cp.cuda.Event() for _ in range(len(sizes) + 1)]
-            events[0].record(self.stream)
-            done = 0
-            for i, n in enumerate(sizes):
-                for _ in range(n):
-                    launch()
-                events[i + 1].record(self.stream)
-                done = i + 1
-                if watch and last[0] is not None:
-                    poll()
-                if cancel.is_set():
-                    break
-            while watch and last[0] is not None and not events[done].query():
-                poll()
-                time.sleep(0.0005)
-            events[done].synchronize()
+            replay = self._replay(spec, bufs, chunk)
+            events = self._event_pool(n + 1)
+            with _EnergyWatcher(self.energy_j) if watch else contextlib.nullcontext() as w:
+                e0 = self.energy_j() if watch else None
+                t0 = time.monotonic()
+                events[0].record(self.stream)
+                done = 0
+                for i in range(n):
+                    replay()
+                    events[i + 1].record(self.stream)
+                    done = i + 1
+                    if cancel.is_set():
+                        break
+                events[done].synchronize()
+                t1 = time.monotonic()
+                e1 = self.energy_j() if watch else None
+            times: list[float] = []
             for i in range(done):
-                ms = cp.cuda.get_elapsed_time(events[i], events[i + 1])
-                times.extend([ms / 1e3 / sizes[i]] * sizes[i])
-        if times:
-            self._per_iter[spec] = float(np.median(times))
-        # Only steps seen while the GPU was still busy with this work count.
-        return times, steps
+                times.extend([get_time(events[i], events[i + 1]) / 1e3 / chunk] * chunk)
+        steps: list[tuple[float, float]] = []
+        if w is not None:
+            if w.error is not None:
+                logger.debug("GPU %s: energy watcher: %s", self.record.index, w.error)
+            # Only steps seen while the GPU was busy with this work count.
+            steps = [s for s in w.steps if t0 <= s[0] <= t1]
+        if times and key not in self._chunks:
+            self._chunks[key] = chunk_size(float(np.median(times)))
+        return Run(times, t0, t1, e0, e1, steps)
 
     def clock(self) -> float:
         return time.monotonic()
@@ -403,24 +553,27 @@ class NvidiaDevice(Device):
     def close(self) -> None:
         self._bufs.clear()
         self._kernels.clear()
+        self._events.clear()
+        if self.handle:
+            with contextlib.suppress(*self._errors), self.dev:
+                self.blas.destroy(self.handle)
+            self.handle = 0
 
 
-def _cupy_errors(cupy: Any) -> tuple[type[BaseException], ...]:
-    """The exception types CuPy raises for CUDA, driver, cuBLAS, NVRTC and memory errors."""
-    out: list[type[BaseException]] = []
+def _cupy_errors(cupy: Any) -> tuple[tuple[type[BaseException], ...],
+                                     tuple[type[BaseException], ...]]:
+    """(every error type CuPy or cuBLAS raises for CUDA, driver, cuBLAS, NVRTC and memory
+    failures; those of them that come from the CUDA runtime or driver)."""
+    found: dict[str, type[BaseException]] = {}
     for path in ("cuda.runtime.CUDARuntimeError", "cuda.driver.CUDADriverError",
                  "cuda.memory.OutOfMemoryError", "cuda.compiler.CompileException"):
         obj: Any = cupy
         try:
             for part in path.split("."):
                 obj = getattr(obj, part)
-            out.append(obj)
+            found[path] = obj
         except AttributeError:
             continue
-    try:
-        from cupy_backends.cuda.libs.cublas import CUBLASError
-
-        out.append(CUBLASError)
-    except ImportError:
-        pass
-    return tuple(out) or (RuntimeError,)
+    faults = tuple(found[p] for p in ("cuda.runtime.CUDARuntimeError",
+                                      "cuda.driver.CUDADriverError") if p in found)
+    return (*found.values(), CublasError), faults

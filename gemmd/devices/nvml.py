@@ -18,7 +18,8 @@ from gemmd.errors import DeviceError, DeviceUnavailable
 
 logger = logging.getLogger(__name__)
 
-# nvmlClocksEventReason* bits (nvml.h); "throttle reasons" in older drivers.
+# nvmlClocksEventReason* bits (nvml.h; "throttle reasons" in older drivers). 0x200 and 0x400
+# exist only under their nvmlClocksThrottleReason* names in pynvml.
 CLOCK_EVENT_REASONS = {
     0x1: "gpu_idle",
     0x2: "applications_clocks_setting",
@@ -29,11 +30,15 @@ CLOCK_EVENT_REASONS = {
     0x40: "hw_thermal_slowdown",
     0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
+    0x200: "board_limit",
+    0x400: "reliability",
 }
 # Reasons that mean the GPU is held below its clocks by something an operator should see.
 LIMITING_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
-                              "hw_thermal_slowdown", "hw_power_brake_slowdown"})
+                              "hw_thermal_slowdown", "hw_power_brake_slowdown", "board_limit",
+                              "reliability"})
 
+# nvml.h constants gemmd uses; the contract tests compare them with pynvml's.
 _CLOCK_SM, _CLOCK_MEM, _TEMP_GPU = 1, 2, 0  # NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU
 _ERROR_GPU_IS_LOST, _ERROR_NOT_SUPPORTED = 15, 3
 
@@ -171,6 +176,9 @@ class Nvml:
         return mj / 1000.0 if mj is not None else None
 
     def power_w(self, h: Any) -> float | None:
+        """nvmlDeviceGetPowerUsage: on Ampere (but GA100) and newer GPUs NVML averages it
+        over the last second; on older ones it is a recent sample. Context only: gemmd's
+        power figures come from the energy counter."""
         mw = self._optional(self.nv.nvmlDeviceGetPowerUsage, h)
         return mw / 1000.0 if mw is not None else None
 

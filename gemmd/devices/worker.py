@@ -2,7 +2,8 @@
 
 The parent keeps a ``WorkerDevice`` that forwards calls over a pipe; the whole measurement
 protocol runs inside the child. A call that outlives its deadline, or a child that dies,
-becomes a DeviceError; the child is killed and started afresh on the next call.
+becomes a DeviceError; the child is killed and started afresh on the next call. A CUDA
+error that poisons the context (DeviceFault) ends the child the same way.
 """
 
 from __future__ import annotations
@@ -15,15 +16,29 @@ import traceback
 from typing import Any
 
 from gemmd.config import MeasureConfig
-from gemmd.devices.base import Device, DeviceInfo
-from gemmd.errors import DeviceError, DeviceUnavailable, GemmdError, ProbeCancelled
+from gemmd.devices.base import Device, DeviceInfo, Run
+from gemmd.errors import (
+    DeviceError,
+    DeviceFault,
+    DeviceUnavailable,
+    GemmdError,
+    InputError,
+    ModelError,
+    ProbeCancelled,
+    StoreError,
+    UnsupportedProbe,
+)
 from gemmd.probes import Measurement, ProbeSpec
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # importing CuPy and creating a CUDA context can take a while
 CALL_TIMEOUT_S = 30.0  # any call but measure
-_ERRORS = {c.__name__: c for c in (DeviceError, DeviceUnavailable, GemmdError, ProbeCancelled)}
+# Errors raised in the child are raised again in the parent as the same type. Every
+# GemmdError whose constructor takes one message (ConfigError does not reach a device).
+_ERRORS = {c.__name__: c for c in (DeviceError, DeviceFault, DeviceUnavailable, GemmdError,
+                                   InputError, ModelError, ProbeCancelled, StoreError,
+                                   UnsupportedProbe)}
 
 
 def build_device(factory: tuple) -> Device:
@@ -67,6 +82,11 @@ def _serve(conn: Any, factory: tuple) -> None:
             else:
                 result = getattr(dev, method)(*args)
             conn.send(("ok", result))
+        except DeviceFault as e:
+            # The CUDA context is poisoned (sticky error): every later call would fail too.
+            # Report, then end this process; the parent starts a fresh one on its next call.
+            conn.send(("err", type(e).__name__, str(e)))
+            break
         except GemmdError as e:
             conn.send(("err", type(e).__name__, str(e)))
         except Exception as e:  # a bug or vendor error not translated: keep the evidence
@@ -161,6 +181,10 @@ class WorkerDevice(Device):
             if status == "ok":
                 return payload[0]
             name, message = payload
+            if name == DeviceFault.__name__:
+                proc.join(5)  # the child exits after a fault; reap it, restart on next call
+                self._kill(proc)
+                message += "; worker ended, a fresh one starts on the next call"
             raise _ERRORS.get(name, DeviceError)(message)
 
     def _call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S,
@@ -200,8 +224,7 @@ class WorkerDevice(Device):
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
         return self._call("run", spec, iterations, cancel=cancel)
 
-    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event
-                     ) -> tuple[list[float], list[tuple[float, float]]]:
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> Run:
         return self._call("run_observed", spec, iterations, cancel=cancel)
 
     def clock(self) -> float:

@@ -1,0 +1,403 @@
+"""The NVIDIA backend against the real CuPy, cuBLAS and nvidia-ml-py, on a machine without a GPU.
+
+Two kinds of test: the real libraries themselves (names, constants, argument lists, calls
+that reach the library and fail only for want of a GPU), and the backend end to end over
+stand-ins that are tied to those real APIs (tests/cuda_standin.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import logging
+import re
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+import cupy
+import numpy as np
+import pynvml
+import pytest
+from cuda_standin import (
+    CublasStandin,
+    FakePynvml,
+    Gpu,
+    make_cupy,
+    real_signature,
+    stepping_counter,
+)
+from cupy_backends.cuda.api import runtime as cuda_runtime
+from cupy_backends.cuda.api.runtime import CUDARuntimeError
+from cupy_backends.cuda.libs import cublas as cupy_cublas
+
+from gemmd.config import MeasureConfig
+from gemmd.devices import cublas, nvidia, nvml
+from gemmd.devices.nvml import Nvml
+from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable, UnsupportedProbe
+from gemmd.probes import ProbeSpec, measure
+
+ROOT = Path(__file__).resolve().parent.parent
+BUS = "00000000:18:00.0"
+FAST = MeasureConfig(window_s=0.03, warmup_s=0.005, min_iters=3)
+
+
+def _gpu_present() -> bool:
+    """CI has no GPU; bench/gpu_accept.py runs this file on one too, where the calls below
+    that fail for want of a driver succeed instead."""
+    try:
+        Nvml()
+        return True
+    except DeviceUnavailable:
+        return False
+
+
+GPU = _gpu_present()
+
+
+# ------------------------------------------------------------------ real libraries
+
+
+def _attribute_calls(path: Path, owners: set[str]) -> set[str]:
+    """Names ``x`` in ``owner.x`` expressions of a module (owner: a name or self.<name>)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            v = node.value
+            name = v.id if isinstance(v, ast.Name) else \
+                v.attr if isinstance(v, ast.Attribute) else None
+            if name in owners:
+                out.add(node.attr)
+    return out
+
+
+def test_every_pynvml_name_gemmd_uses_exists_in_the_real_module():
+    used = _attribute_calls(ROOT / "gemmd/devices/nvml.py", {"nv"})
+    assert {"nvmlInit", "nvmlDeviceGetTotalEnergyConsumption", "NVMLError"} <= used
+    missing = sorted(n for n in used if not hasattr(pynvml, n))
+    assert missing == []
+
+
+def test_nvml_constants_match_the_real_module():
+    assert nvml._CLOCK_SM == pynvml.NVML_CLOCK_SM
+    assert nvml._CLOCK_MEM == pynvml.NVML_CLOCK_MEM
+    assert nvml._TEMP_GPU == pynvml.NVML_TEMPERATURE_GPU
+    assert nvml._ERROR_GPU_IS_LOST == pynvml.NVML_ERROR_GPU_IS_LOST
+    assert nvml._ERROR_NOT_SUPPORTED == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_every_clock_event_reason_bit_of_pynvml_decodes_to_a_name():
+    bits = {}
+    for name in dir(pynvml):
+        m = re.fullmatch(r"nvmlClocks(?:Event|Throttle)Reason(\w+)", name)
+        value = getattr(pynvml, name)
+        if m and isinstance(value, int) and value and value & (value - 1) == 0:
+            bits.setdefault(value, m.group(1))
+    assert {0x200, 0x400} <= set(bits)  # BoardLimit, Reliability
+    for bit, pyname in bits.items():
+        decoded = nvml.decode_reasons(bit)
+        assert len(decoded) == 1 and not decoded[0].startswith("unknown"), (pyname, decoded)
+        # The same words as NVML's name, in snake case.
+        words = re.sub(r"(?<!^)(?=[A-Z])", "_", pyname).lower().replace("clocks", "clock")
+        assert decoded[0].replace("clocks", "clock") in (words, "applications_clock_setting",
+                                                         "hw_power_brake_slowdown",
+                                                         "sw_power_cap", "gpu_idle")
+    assert "board_limit" in nvml.LIMITING_REASONS
+
+
+def test_every_cupy_name_the_backend_uses_exists_in_real_cupy():
+    used = _attribute_calls(ROOT / "gemmd/devices/nvidia.py", {"cp", "cupy"})
+    used -= {"float16", "float32", "float64", "uint8", "uint16", "uint32"}
+    assert {"cuda", "RawModule", "get_default_memory_pool"} <= used
+    assert sorted(n for n in used if not hasattr(cupy, n)) == []
+    cuda_used = _attribute_calls(ROOT / "gemmd/devices/nvidia.py", {"cuda"})
+    assert {"Event", "Stream", "Device", "get_elapsed_time", "runtime"} <= cuda_used
+    assert sorted(n for n in cuda_used if not hasattr(cupy.cuda, n)) == []
+    assert not hasattr(cupy.cuda.Event, "query")  # the first-run crash of the review
+    errors, faults = nvidia._cupy_errors(cupy)
+    assert len(errors) == 5 and cupy.cuda.runtime.CUDARuntimeError in faults
+
+
+def test_cuda_enums_match_cupys_cublas_and_runtime_constants():
+    assert cublas.CUDA_R == {"fp64": cuda_runtime.CUDA_R_64F, "fp32": cuda_runtime.CUDA_R_32F,
+                             "tf32": cuda_runtime.CUDA_R_32F, "fp16": cuda_runtime.CUDA_R_16F,
+                             "bf16": cuda_runtime.CUDA_R_16BF}
+    assert cublas.COMPUTE == {"fp64": cupy_cublas.CUBLAS_COMPUTE_64F,
+                              "fp32": cupy_cublas.CUBLAS_COMPUTE_32F,
+                              "tf32": cupy_cublas.CUBLAS_COMPUTE_32F_FAST_TF32,
+                              "fp16": cupy_cublas.CUBLAS_COMPUTE_32F,
+                              "bf16": cupy_cublas.CUBLAS_COMPUTE_32F}
+    assert cublas.OP == {"n": cupy_cublas.CUBLAS_OP_N, "t": cupy_cublas.CUBLAS_OP_T}
+    assert cublas.GEMM_DEFAULT == cupy_cublas.CUBLAS_GEMM_DEFAULT
+
+
+def _header() -> str:
+    """cublas_api.h of the cuBLAS wheel the tests install (or of a CUDA toolkit)."""
+    places = []
+    for dist in ("nvidia-cublas-cu12", "nvidia-cublas-cu13", "nvidia-cublas"):
+        try:
+            d = metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        places += [Path(d.locate_file(f)) for f in d.files or ()
+                   if str(f).endswith("cublas_api.h")]
+    places.append(Path("/usr/local/cuda/include/cublas_api.h"))
+    found = [p for p in places if p.is_file()]
+    assert found, "cublas_api.h not found (the test extra installs nvidia-cublas-cu12)"
+    return found[0].read_text()
+
+
+_C_TYPES = {"int": ctypes.c_int, "size_t": ctypes.c_size_t, "cublasOperation_t": ctypes.c_int,
+            "cudaDataType": ctypes.c_int, "cublasComputeType_t": ctypes.c_int,
+            "cublasGemmAlgo_t": ctypes.c_int, "cublasHandle_t": ctypes.c_void_p,
+            "cudaStream_t": ctypes.c_void_p}
+
+
+@pytest.mark.parametrize("name", sorted(cublas.SIGNATURES))
+def test_ctypes_argument_lists_match_the_cublas_header(name):
+    m = re.search(rf"cublasStatus_t CUBLASWINAPI {name}\((.*?)\);", _header(), re.S)
+    assert m, f"{name} not declared in cublas_api.h"
+    params = [" ".join(p.split()) for p in m.group(1).split(",")]
+    expected = []
+    for p in params:
+        ctype = p.rsplit(" ", 1)[0].replace("const ", "")
+        if ctype.endswith("*"):
+            base = ctype.rstrip("* ")
+            expected.append(ctypes.POINTER(ctypes.c_void_p) if base == "cublasHandle_t"
+                            else ctypes.c_void_p)
+        else:
+            expected.append(_C_TYPES[ctype])
+    assert [t.__name__ for t in cublas.SIGNATURES[name]] == [t.__name__ for t in expected]
+
+
+def test_the_real_cublas_library_loads_and_answers():
+    blas = cublas.Cublas()  # the library CuPy uses, found the way CuPy finds it
+    if GPU:
+        handle = blas.create()
+        assert handle
+        blas.destroy(handle)
+    else:
+        with pytest.raises(cublas.CublasError, match="NOT_INITIALIZED") as e:
+            blas.create()  # no driver here
+        assert e.value.status == 1
+    one = np.ones(1, np.float32)
+    with pytest.raises(cublas.CublasError) as e:  # a NULL handle: refused, not a crash
+        blas.gemm_ex(0, 0, 0, 4, 4, 4, one.ctypes.data, 0, 0, 4, 0, 0, 4, one.ctypes.data, 0,
+                     0, 4, cublas.COMPUTE["fp32"], cublas.GEMM_DEFAULT)
+    assert e.value.status == 1
+
+
+def test_cupys_own_cublas_wrapper_refuses_graph_capture():
+    """Why gemmd calls cuBLAS through ctypes: CuPy's wrappers check for capture on every
+    call (its setStream raises NotImplementedError while capturing)."""
+    sig = real_signature(cupy_cublas.gemmEx)
+    assert len(sig.parameters) == 19
+    import inspect
+
+    src = inspect.getdoc(cupy_cublas.setStream) or ""
+    assert "setStream" in src
+
+
+@pytest.mark.skipif(GPU, reason="there is a GPU: the real device is measured instead")
+def test_real_cupy_without_a_gpu_is_a_one_line_device_error():
+    rec = Nvml(FakePynvml(_gpus())).discover()[0]
+    with pytest.raises(DeviceError, match=r"^GPU 0: open: CUDARuntimeError: cudaError\w+"):
+        nvidia.NvidiaDevice(rec, memory_budget=1 << 30, nvml=Nvml(FakePynvml(_gpus())))
+    assert nvidia.cuda_visible_bus_ids() is None  # CUDA can't be asked here: no driver
+
+
+def test_the_cuda_extras_bring_cublas_with_cupy():
+    try:
+        reqs = metadata.requires("gemmd") or []
+    except metadata.PackageNotFoundError:  # a bare checkout on the GPU machine
+        import tomllib
+
+        extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+            "optional-dependencies"]
+        reqs = [f'{r}; extra == "{x}"' for x, rs in extras.items() for r in rs]
+    for extra, cupy_pkg in (("cuda12", "cupy-cuda12x"), ("cuda13", "cupy-cuda13x")):
+        mine = [r for r in reqs if f'extra == "{extra}"' in r]
+        assert any(r.startswith(f"{cupy_pkg}[ctk]>=14") for r in mine), mine
+        assert any(r.startswith("nvidia-ml-py") for r in mine), mine
+
+
+# ------------------------------------------------------------------ stand-in GPU
+
+
+def _gpus(**extra):
+    return [{"uuid": "GPU-aaaa-1111", "bus": BUS, "energy_mj": 123_456, "power_mw": 412_345,
+             **extra}]
+
+
+@pytest.fixture
+def gpu():
+    return Gpu()
+
+
+def _device(gpu, budget=1 << 30, cublas_impl=None, **nv):
+    nvml_ = Nvml(FakePynvml(_gpus(**nv)))
+    rec = nvml_.discover()[0]
+    cp = make_cupy(["0000:18:00.0"], gpu)
+    return nvidia.NvidiaDevice(rec, memory_budget=budget, nvml=nvml_, cupy=cp,
+                               cublas=cublas_impl or CublasStandin(gpu))
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+def test_measure_and_check_every_dtype_and_layout(gpu, dtype, layout):
+    dev = _device(gpu)
+    spec = ProbeSpec(48, 40, 36, dtype, "blas", 0, layout)
+    m = measure(dev, spec, FAST, check=True)
+    assert m.check_ok is True, m.check_error
+    assert m.iterations >= FAST.min_iters and m.runtime_s > 0
+    assert m.context["after"]["sm_clock_hz"] == 1.755e9
+
+
+@pytest.mark.parametrize("tile", [1, 2, 4, 8, 16, 32])
+def test_measure_and_check_the_tiled_kernel_at_every_tile(gpu, tile):
+    dev = _device(gpu)
+    m = measure(dev, ProbeSpec(37, 29, 23, "fp32", "tiled", tile), FAST, check=True)
+    assert m.check_ok is True, m.check_error
+
+
+class _WrongLeadingDim(CublasStandin):
+    def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb,
+                beta, c, ctype, ldc, compute, algo):  # reads B as if it were not transposed
+        super().gemm_ex(handle, transa, 0, m, n, k, alpha, a, atype, lda, b, btype,
+                        max(ldb, k), beta, c, ctype, ldc, compute, algo)
+
+
+def test_the_check_catches_a_gemm_that_computes_the_wrong_thing(gpu):
+    dev = _device(gpu, cublas_impl=_WrongLeadingDim(gpu))
+    m = measure(dev, ProbeSpec(32, 32, 32, "fp32", "blas", 0, "nt"), FAST, check=True)
+    assert m.check_ok is False
+
+
+def test_small_gemms_replay_one_graph_per_chunk(gpu):
+    dev = _device(gpu)
+    spec = ProbeSpec(32, 32, 32, "fp32")  # 66 kFLOP: ~3 us on the stand-in, under a launch
+    dev.prepare(spec)
+    dev.run(spec, 1, threading.Event())  # sizes the chunk
+    chunk = dev._chunks[dev._key(spec)]
+    assert chunk > 1
+    dev.run(spec, 10, threading.Event())  # captures the chunk's graph
+    before = dict(gpu.calls)
+    run = dev.run_observed(spec, 5 * chunk, threading.Event())
+    assert len(run.times) == 5 * chunk
+    assert gpu.calls["graph_launches"] - before.get("graph_launches", 0) == 5
+    assert gpu.calls["gemm_ex"] == before["gemm_ex"]  # no cuBLAS call: replayed
+
+
+def test_graph_capture_failure_falls_back_to_direct_launches(gpu, caplog):
+    gpu.capture_error = CUDARuntimeError(900)  # cudaErrorStreamCaptureUnsupported
+    dev = _device(gpu)
+    with caplog.at_level(logging.WARNING):
+        m = measure(dev, ProbeSpec(32, 32, 32, "bf16"), FAST, check=True)
+    assert m.check_ok is True and "graph capture failed" in caplog.text
+
+
+def test_no_event_is_created_inside_the_energy_window(gpu):
+    dev = _device(gpu)
+    spec = ProbeSpec(32, 32, 32, "fp16")
+    measure(dev, spec, FAST)
+    run = dev.run_observed(spec, 400, threading.Event())
+    assert not [t for t in gpu.event_creations if run.t0 <= t <= run.t1]
+
+
+def test_inputs_are_ready_before_the_first_gemm_reads_them(gpu):
+    """The stand-in raises on a read of an array another stream is still writing: inputs
+    made on CuPy's legacy stream and read from the probe's non-blocking stream would."""
+    dev = _device(gpu)
+    for dtype in ("fp32", "bf16", "fp16", "fp64"):
+        spec = ProbeSpec(64, 64, 64, dtype)
+        dev.prepare(spec)
+        dev.run(spec, 2, threading.Event())
+    # The check itself: an input written on the legacy stream, never waited for.
+    bufs = dev._bufs.get(dev._key(spec))
+    with gpu.null:
+        bufs["a"] = dev._rng.standard_normal(64 * 64, dtype=np.float64)
+    bufs["graphs"].clear()
+    with pytest.raises(AssertionError, match="race"):
+        dev.run(spec, 2, threading.Event())
+
+
+def test_evicted_buffers_go_back_to_the_driver(gpu):
+    budget = 3 * (4 * 3 * 256 * 256)  # room for three fp32 256^3 shapes
+    dev = _device(gpu, budget=budget)
+    baseline = gpu.pool.held  # the cuBLAS workspace
+    for k in range(256, 256 + 64 * 10, 64):
+        dev.prepare(ProbeSpec(256, 256, k, "fp32"))
+    assert gpu.calls.get("free_all_blocks", 0) > 0
+    held = gpu.pool.held - baseline
+    assert held <= budget, f"GPU holds {held} bytes over a budget of {budget}"
+
+
+def test_a_sticky_cuda_error_is_a_device_fault(gpu):
+    dev = _device(gpu)
+    spec = ProbeSpec(64, 64, 64, "fp32")
+    dev.prepare(spec)
+    gpu.sticky = CUDARuntimeError(700)  # cudaErrorIllegalAddress: the context is lost
+    with pytest.raises(DeviceFault, match="GPU 0: run blas-fp32-nn-64x64x64: "
+                                          "CUDARuntimeError: cudaErrorIllegalAddress"):
+        dev.run(spec, 3, threading.Event())
+
+
+class _Refusing(CublasStandin):
+    def gemm_ex(self, *args):
+        raise cublas.CublasError("cublasGemmEx", 15)  # CUBLAS_STATUS_NOT_SUPPORTED
+
+
+def test_a_cublas_refusal_is_a_device_error_not_a_fault(gpu):
+    dev = _device(gpu, cublas_impl=_Refusing(gpu))
+    with pytest.raises(DeviceError, match="CUBLAS_STATUS_NOT_SUPPORTED") as e:
+        dev.run(ProbeSpec(64, 64, 64, "fp32"), 3, threading.Event())
+    assert not isinstance(e.value, DeviceFault)
+
+
+def test_energy_steps_are_watched_from_another_thread_while_the_gpu_works(gpu):
+    dev = _device(gpu, energy_mj=stepping_counter(300.0, step_s=0.01))
+    spec = ProbeSpec(96, 96, 96, "fp32")  # ~90 us per GEMM on the stand-in
+    m = measure(dev, spec, MeasureConfig(window_s=0.15, warmup_s=0.02))
+    assert m.context["after"]["energy_method"] == "steps"
+    assert m.power_w == pytest.approx(300.0, rel=0.1)
+    assert m.energy_j == pytest.approx(300.0 * m.runtime_mean_s, rel=0.1)
+
+
+def test_energy_watcher_keeps_only_changes():
+    values = iter([1.0, 1.0, 2.0, 2.0, 3.0] + [3.0] * 10_000)
+    with nvidia._EnergyWatcher(lambda: next(values), period=0.0001) as w:
+        time.sleep(0.05)
+    assert [e for _, e in w.steps] == [2.0, 3.0]
+
+
+def test_tiled_kernel_grid_limit_is_refused_with_a_reason():
+    reason = nvidia.unsupported(ProbeSpec(70_000, 64, 64, "fp32", "tiled", 1), (9, 0),
+                                1 << 40)
+    assert "gridDim.y limit of 65535" in reason and "tile of at least 2" in reason
+    assert nvidia.unsupported(ProbeSpec(70_000, 64, 64, "fp32", "tiled", 2), (9, 0),
+                              1 << 40) is None
+
+
+def test_prepare_refuses_an_unsupported_probe(gpu):
+    with pytest.raises(UnsupportedProbe, match="gridDim.y"):
+        _device(gpu).prepare(ProbeSpec(70_000, 8, 8, "fp32", "tiled", 1))
+
+
+def test_cuda_ordinals_are_mapped_through_pci_bus_ids():
+    gpus = [{"uuid": "GPU-slow", "bus": "00000000:18:00.0", "name": "NVIDIA T4"},
+            {"uuid": "GPU-fast", "bus": "00000000:3B:00.0", "name": "NVIDIA H100"}]
+    recs = Nvml(FakePynvml(gpus)).discover()
+    # CUDA numbers the H100 first (fastest first): CUDA_VISIBLE_DEVICES=0 is the H100.
+    assert [r.uuid for r in nvidia.visible(recs, "0", ["0000:3B:00.0"])] == ["GPU-fast"]
+    assert [r.uuid for r in nvidia.visible(recs, "1,0", ["0000:18:00.0", "0000:3B:00.0"])
+            ] == ["GPU-slow", "GPU-fast"]
+    assert [r.uuid for r in nvidia.visible(recs, "GPU-fast", None)] == ["GPU-fast"]
+
+
+@pytest.mark.skipif(GPU, reason="there is a GPU: NVML starts")
+def test_real_nvml_without_a_driver_is_unavailable_not_a_traceback():
+    with pytest.raises(DeviceUnavailable, match="^NVML cannot start: NVML Shared Library"):
+        Nvml()
+    with pytest.raises(DeviceUnavailable):
+        nvidia.open_all(memory_budget=1 << 30)
