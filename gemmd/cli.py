@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -118,10 +119,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     if args.window is not None:
         measure = dataclasses.replace(cfg.probes.measure, window_s=args.window)
         cfg = dataclasses.replace(cfg, probes=dataclasses.replace(cfg.probes, measure=measure))
-    # One round runs every planned probe: the duty-cycle budget is for the daemon.
-    cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, duty_cycle=1.0),
-                              schedule=dataclasses.replace(cfg.schedule,
-                                                           skip_when_busy=not args.force))
+    cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule,
+                                                                skip_when_busy=not args.force))
     setup_logging(args.log_level or cfg.log_level)
     tmp = None
     if args.no_store:
@@ -138,7 +137,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
         for d in devices:
             store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
                                 dataclasses.asdict(d.info))
-            runner = DeviceRunner(d, cfg, store, state, registry)
+            # One round runs every planned probe: the duty-cycle budget is for the daemon.
+            runner = DeviceRunner(d, cfg, store, state, registry, budget_s=math.inf)
             for r in runner.run_round():
                 rows.append(_result_row(d, r))
             ds = state.devices[d.info.uuid]

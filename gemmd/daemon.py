@@ -15,9 +15,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
-
-from apscheduler.executors.pool import ThreadPoolExecutor
-from apscheduler.schedulers.background import BackgroundScheduler
+from typing import Any
 
 from gemmd.config import Config
 from gemmd.devices import Device, open_devices
@@ -104,7 +102,7 @@ class Daemon:
                                      _info_dict(d))
             self.runners.append(DeviceRunner(d, cfg, self.store, self.state, self.registry,
                                              self.cancel))
-        self.scheduler: BackgroundScheduler | None = None
+        self.scheduler: Any = None  # APScheduler's BackgroundScheduler, made in start()
         self.httpd = None
         self.port: int | None = None
 
@@ -117,6 +115,10 @@ class Daemon:
         self._restore()
         self._serve()
         cfg = self.cfg.schedule
+        # Imported here: `gemmd probe` and the other one-shot commands don't need it.
+        from apscheduler.executors.pool import ThreadPoolExecutor
+        from apscheduler.schedulers.background import BackgroundScheduler
+
         self.scheduler = BackgroundScheduler(
             executors={"default": ThreadPoolExecutor(len(self.runners) + 2)},
             job_defaults={"coalesce": True, "max_instances": 1,

@@ -49,9 +49,13 @@ def _energy_trusted(m: Measurement, backend: str) -> bool:
 
 class DeviceRunner:
     def __init__(self, device: Device, cfg: Config, store: Store, state: State,
-                 registry: ModelRegistry, cancel: threading.Event | None = None):
+                 registry: ModelRegistry, cancel: threading.Event | None = None,
+                 budget_s: float | None = None):
+        """``budget_s``: probe seconds a round may spend; by default the duty-cycle budget
+        (``duty_cycle x probe_interval_s``); ``math.inf`` runs every probe (gemmd probe)."""
         self.device = device
         self.cfg = cfg
+        self.budget_s = budget_s
         self.store = store
         self.state = state
         self.registry = registry
@@ -105,7 +109,8 @@ class DeviceRunner:
         todo = [(s, "sentinel") for s in self.plan]
         todo += [(s, "exploration") for s in
                  exploration_specs(self.cfg.probes.exploration, self.device, self._rng)]
-        budget = self.cfg.budget.duty_cycle * self.cfg.schedule.probe_interval_s
+        budget = self.budget_s if self.budget_s is not None else \
+            self.cfg.budget.duty_cycle * self.cfg.schedule.probe_interval_s
         used, results, failed = 0.0, [], ""
         for i, (spec, kind) in enumerate(todo):
             if self.cancel.is_set():

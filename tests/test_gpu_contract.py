@@ -401,3 +401,26 @@ def test_real_nvml_without_a_driver_is_unavailable_not_a_traceback():
         Nvml()
     with pytest.raises(DeviceUnavailable):
         nvidia.open_all(memory_budget=1 << 30)
+
+
+def test_gemmd_probe_runs_without_apscheduler_and_runs_the_whole_plan(tmp_path):
+    """A bare GPU machine has no APScheduler; and the sweep's tail must not be cut by the
+    daemon's duty-cycle budget (here 2 s a round, for 40 probes of 1.1 s device time)."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "gemmd.yaml"
+    cfg.write_text("backend: fake\nisolation: thread\nschedule: {probe_interval_s: 2}\n"
+                   "budget: {duty_cycle: 1.0}\nfake: {devices: [{model: H100-SXM}]}\n")
+    shapes = [a for s in (512, 1024, 2048, 4096, 8192) for a in ("--shape", f"{s}x{s}x{s}")]
+    dtypes = [a for d in ("fp32", "bf16") for a in ("--dtype", d)]
+    layouts = [a for lay in ("nn", "nt", "tn", "tt") for a in ("--layout", lay)]
+    code = ("import sys; sys.modules['apscheduler'] = None; from gemmd.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "probe", "--config", str(cfg),
+                        "--no-store", "--force", "--format", "csv", "--window", "0.1",
+                        *shapes, *dtypes, *layouts],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.strip().splitlines()[1:]
+    assert len(rows) == 5 * 2 * 4 and all(",ok," in row for row in rows), r.stdout[-2000:]
