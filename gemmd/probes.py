@@ -45,10 +45,15 @@ class ProbeSpec:
         return 2.0 * self.m * self.n * self.k
 
     @property
+    def buffer_bytes(self) -> int:
+        """Memory for A, B and C: what a device must hold to run this GEMM."""
+        ib, ob = DTYPE_BYTES[self.dtype], OUT_BYTES[self.dtype]
+        return ib * (self.m * self.k + self.k * self.n) + ob * self.m * self.n
+
+    @property
     def bytes(self) -> float:
         """Compulsory traffic: read A and B once, write C once."""
-        ib, ob = DTYPE_BYTES[self.dtype], OUT_BYTES[self.dtype]
-        return float(ib * (self.m * self.k + self.k * self.n) + ob * self.m * self.n)
+        return float(self.buffer_bytes)
 
     @property
     def intensity(self) -> float:

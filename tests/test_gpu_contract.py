@@ -372,11 +372,9 @@ def test_energy_watcher_keeps_only_changes():
 
 
 def test_tiled_kernel_grid_limit_is_refused_with_a_reason():
-    reason = nvidia.unsupported(ProbeSpec(70_000, 64, 64, "fp32", "tiled", 1), (9, 0),
-                                1 << 40)
+    reason = nvidia.unsupported(ProbeSpec(70_000, 64, 64, "fp32", "tiled", 1), (9, 0))
     assert "gridDim.y limit of 65535" in reason and "tile of at least 2" in reason
-    assert nvidia.unsupported(ProbeSpec(70_000, 64, 64, "fp32", "tiled", 2), (9, 0),
-                              1 << 40) is None
+    assert nvidia.unsupported(ProbeSpec(70_000, 64, 64, "fp32", "tiled", 2), (9, 0)) is None
 
 
 def test_prepare_refuses_an_unsupported_probe(gpu):

@@ -12,6 +12,7 @@ import pytest
 from cuda_standin import FakePynvml  # tied to the real pynvml's functions and constants
 
 from gemmd.devices import nvidia
+from gemmd.devices.base import over_budget
 from gemmd.devices.nvml import Nvml, decode_reasons, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceUnavailable
 from gemmd.probes import ProbeSpec, check_result
@@ -105,14 +106,13 @@ def test_peak_flops_and_bandwidth_match_datasheets():
 
 
 def test_unsupported_reasons():
-    big = 1 << 34
-    assert "cuBLASLt" in nvidia.unsupported(ProbeSpec(64, 64, 64, "fp8"), (9, 0), big)
-    assert "8.0" in nvidia.unsupported(ProbeSpec(64, 64, 64, "bf16"), (7, 5), big)
+    assert "cuBLASLt" in nvidia.unsupported(ProbeSpec(64, 64, 64, "fp8"), (9, 0))
+    assert "8.0" in nvidia.unsupported(ProbeSpec(64, 64, 64, "bf16"), (7, 5))
     assert "fp32 only" in nvidia.unsupported(ProbeSpec(64, 64, 64, "fp16", "tiled", 16),
-                                             (9, 0), big)
-    assert "memory budget" in nvidia.unsupported(ProbeSpec(8192, 8192, 8192, "fp32"),
-                                                 (9, 0), 1 << 20)
-    assert nvidia.unsupported(ProbeSpec(4096, 4096, 4096, "tf32"), (8, 0), big) is None
+                                             (9, 0))
+    assert "memory budget" in over_budget(ProbeSpec(8192, 8192, 8192, "fp32"), 1 << 20)
+    assert over_budget(ProbeSpec(8192, 8192, 8192, "fp32"), 1 << 34) is None
+    assert nvidia.unsupported(ProbeSpec(4096, 4096, 4096, "tf32"), (8, 0)) is None
 
 
 def _colmajor_gemm(spec, a_flat, b_flat):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 
@@ -184,9 +185,10 @@ def test_a_round_does_not_restart_a_worker_it_saw_killed(tmp_path):
     cfg = _cfg()
     cfg = dataclasses.replace(cfg, probes=dataclasses.replace(
         cfg.probes, measure=dataclasses.replace(cfg.probes.measure, timeout_s=2.0)))
-    dev = WorkerDevice(("fake", {"index": 0, "cfg": FakeDeviceConfig(hang_on_call=1),
-                                 "seed": 0, "noise": 0.01, "realtime": False,
-                                 "memory_budget": 1 << 30}), "GPU 0")
+    dev = WorkerDevice(functools.partial(FakeDevice, index=0,
+                                         cfg=FakeDeviceConfig(hang_on_call=1), seed=0,
+                                         noise=0.01, realtime=False, memory_budget=1 << 30),
+                       "GPU 0")
     store, state = Store(tmp_path / "gemmd.db"), State()
     try:
         runner = DeviceRunner(dev, cfg, store, state,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from gemmd.config import FakeDeviceConfig, MeasureConfig
+from gemmd.devices.fake import FakeDevice
 from gemmd.devices.worker import WorkerDevice
 from gemmd.errors import DeviceError, DeviceFault, ProbeCancelled, UnsupportedProbe
 from gemmd.probes import ProbeSpec
@@ -19,10 +21,10 @@ SPEC = ProbeSpec(1024, 1024, 1024, "bf16")
 FAST = MeasureConfig(window_s=0.1, warmup_s=0.0, timeout_s=3.0)
 
 
-def _worker(**fake):
-    kwargs = {"index": 0, "cfg": FakeDeviceConfig(**fake), "seed": 0, "noise": 0.01,
-              "realtime": False, "memory_budget": 1 << 30}
-    return WorkerDevice(("fake", kwargs), "GPU 0")
+def _worker(budget=1 << 30, **fake):
+    return WorkerDevice(functools.partial(FakeDevice, index=0, cfg=FakeDeviceConfig(**fake),
+                                          seed=0, noise=0.01, realtime=False,
+                                          memory_budget=budget), "GPU 0")
 
 
 @pytest.fixture
@@ -106,14 +108,12 @@ def test_close_kills_a_hung_worker(worker):
 
 
 def test_worker_start_failure_is_a_clear_error():
-    with pytest.raises(DeviceError, match="unknown device kind 'nope'"):
-        WorkerDevice(("nope", {}), "GPU 9")
+    with pytest.raises(DeviceError, match="cannot build the device: KeyError: 'nope'"):
+        _worker(model="nope")  # FakeDevice looks its model up: no such model
 
 
 def test_unsupported_probe_reaches_the_parent_as_such():
-    d = WorkerDevice(("fake", {"index": 0, "cfg": FakeDeviceConfig(), "seed": 0,
-                               "noise": 0.01, "realtime": False, "memory_budget": 1 << 20}),
-                     "GPU 0")
+    d = _worker(budget=1 << 20)
     try:
         with pytest.raises(UnsupportedProbe, match="over the memory budget"):
             d.measure(ProbeSpec(4096, 4096, 4096, "fp32"), FAST)

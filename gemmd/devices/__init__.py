@@ -5,6 +5,7 @@ The NVIDIA backend is imported only when asked for, so the CPU path never needs 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -32,30 +33,33 @@ def select(devices: Sequence[Device], wanted: str | Sequence[int | str]) -> list
     return out
 
 
+def isolation_of(cfg: Config, backend: str) -> str:
+    """Where a backend's devices run: "auto" puts GPUs in worker processes (a hung kernel or
+    a poisoned CUDA context is killed with its process) and simulated ones in threads."""
+    if cfg.isolation != "auto":
+        return cfg.isolation
+    return "process" if backend == "nvidia" else "thread"
+
+
 def open_devices(cfg: Config) -> list[Device]:
     """Build the configured backend's devices. Raises DeviceUnavailable when it can't."""
     budget = cfg.budget.memory_mb << 20
     if cfg.backend == "fake":
         from gemmd.devices.fake import FakeDevice
+        from gemmd.devices.worker import isolated
 
-        kw = [{"index": i, "cfg": d, "seed": cfg.fake.seed, "noise": cfg.fake.noise,
-               "jitter": cfg.fake.jitter,
-               "realtime": cfg.fake.realtime, "memory_budget": budget}
-              for i, d in enumerate(cfg.fake.devices)]
-        if cfg.isolation == "process":
-            from gemmd.devices.worker import WorkerDevice
-
-            devs: list[Device] = [WorkerDevice(("fake", k), f"GPU {k['index']}") for k in kw]
-        else:
-            devs = [FakeDevice(**k) for k in kw]
+        devs = [isolated(functools.partial(FakeDevice, index=i, cfg=d, seed=cfg.fake.seed,
+                                           noise=cfg.fake.noise, jitter=cfg.fake.jitter,
+                                           realtime=cfg.fake.realtime, memory_budget=budget),
+                         f"GPU {i}", isolation_of(cfg, "fake"))
+                for i, d in enumerate(cfg.fake.devices)]
         return select(devs, cfg.devices)
     if cfg.backend in ("auto", "nvidia"):
         from gemmd.devices import nvidia
 
         try:
             found = nvidia.open_all(memory_budget=budget, seed=cfg.model.seed,
-                                    isolation="thread" if cfg.isolation == "thread"
-                                    else "process")
+                                    isolation=isolation_of(cfg, "nvidia"))
         except DeviceUnavailable as e:
             if cfg.backend == "nvidia":
                 raise

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gemmd.errors import UnsupportedProbe
 from gemmd.probes import Measurement, ProbeSpec
 
 if TYPE_CHECKING:
@@ -96,22 +97,46 @@ class BufferCache:
         self._items.clear()
 
 
+def over_budget(spec: ProbeSpec, budget: int) -> str | None:
+    need = spec.buffer_bytes
+    if need > budget:
+        return f"needs {need / 2**20:.0f} MiB, over the memory budget of {budget / 2**20:.0f} MiB"
+    return None
+
+
 class Device(abc.ABC):
-    """One probe-able device. Methods may raise DeviceError; none may hang forever on close."""
+    """One probe-able device. Methods may raise DeviceError; none may hang forever on close.
+
+    A backend implements ``_unsupported`` (what it cannot run) and ``_allocate`` (its
+    buffers); the memory-budget check and the order of prepare() are written once here.
+    """
 
     info: DeviceInfo
+    memory_budget: int = 0
 
-    @abc.abstractmethod
     def unsupported_reason(self, spec: ProbeSpec) -> str | None:
         """Why this device cannot run ``spec`` (dtype, kernel, memory budget), or None."""
+        return self._unsupported(spec) or over_budget(spec, self.memory_budget)
+
+    def _unsupported(self, spec: ProbeSpec) -> str | None:
+        """What this backend cannot run, whatever the budget (dtype, kernel, limits)."""
+        raise NotImplementedError
+
+    def _allocate(self, spec: ProbeSpec) -> None:
+        """Make (or reuse) random input and output buffers for a supported ``spec``."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def busy_reason(self) -> str | None:
         """Why probing now would disturb other work (e.g. "other_processes"), or None."""
 
-    @abc.abstractmethod
     def prepare(self, spec: ProbeSpec) -> None:
-        """Allocate (or reuse) random input buffers for ``spec`` within the memory budget."""
+        """Allocate (or reuse) random input buffers for ``spec`` within the memory budget;
+        UnsupportedProbe, with the reason, for a spec this device cannot run."""
+        reason = self.unsupported_reason(spec)
+        if reason:
+            raise UnsupportedProbe(f"{spec.name}: {reason}")
+        self._allocate(spec)
 
     @abc.abstractmethod
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:

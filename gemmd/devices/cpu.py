@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from gemmd.devices.base import BufferCache, Device, DeviceInfo
-from gemmd.errors import DeviceError, UnsupportedProbe
-from gemmd.probes import DTYPE_BYTES, ProbeSpec, check_result
+from gemmd.errors import DeviceError
+from gemmd.probes import ProbeSpec, check_result
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class CpuDevice(Device):
             peak_flops=estimate_peak_flops(cores, _max_hz(), _flags()),
             mem_bandwidth=10e9 * min(cores, 8),  # rough; used only for the roofline estimate
             memory_bytes=None, extra={"cores": cores, "peak": "estimated"})
-        self._budget = memory_budget
+        self.memory_budget = memory_budget
         self._rng = np.random.default_rng(seed)
         self._buffers = BufferCache(memory_budget)
         self.rapl = Rapl(powercap_root)
@@ -165,20 +165,12 @@ class CpuDevice(Device):
             logger.info("CPU energy unavailable: %s; no power/energy series will be exported",
                         self.rapl.unavailable_reason)
 
-    def unsupported_reason(self, spec: ProbeSpec) -> str | None:
+    def _unsupported(self, spec: ProbeSpec) -> str | None:
         if spec.kernel != "blas":
             return f"kernel {spec.kernel} needs a GPU"
         if spec.dtype not in _NP_DTYPE:
             return f"{spec.dtype} has no BLAS on the CPU (fp32, fp64 only)"
-        need = self._bytes(spec)
-        if need > self._budget:
-            return f"needs {need / 2**20:.0f} MiB, over the memory budget of " \
-                   f"{self._budget / 2**20:.0f} MiB"
         return None
-
-    @staticmethod
-    def _bytes(spec: ProbeSpec) -> int:
-        return DTYPE_BYTES[spec.dtype] * (spec.m * spec.k + spec.k * spec.n + spec.m * spec.n)
 
     def busy_reason(self) -> str | None:
         """"host_busy" when other processes used over half of all cores in the last 0.3 s.
@@ -191,14 +183,11 @@ class CpuDevice(Device):
     def _key(self, spec: ProbeSpec) -> tuple:
         return (spec.m, spec.n, spec.k, spec.dtype, spec.layout)
 
-    def prepare(self, spec: ProbeSpec) -> None:
-        reason = self.unsupported_reason(spec)
-        if reason:
-            raise UnsupportedProbe(f"{spec.name}: {reason}")
+    def _allocate(self, spec: ProbeSpec) -> None:
         key = self._key(spec)
         if self._buffers.get(key) is not None:
             return
-        need = self._bytes(spec)
+        need = spec.buffer_bytes
         self._buffers.make_room(need)
         dt = _NP_DTYPE[spec.dtype]
         # Random inputs, never zeros; stored transposed where the layout says so.

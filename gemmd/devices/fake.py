@@ -20,8 +20,8 @@ import numpy as np
 
 from gemmd.config import FakeDeviceConfig
 from gemmd.devices.base import Device, DeviceInfo, Run
-from gemmd.errors import DeviceError, DeviceFault, UnsupportedProbe
-from gemmd.probes import DTYPE_BYTES, OUT_BYTES, ProbeSpec
+from gemmd.errors import DeviceError, DeviceFault
+from gemmd.probes import DTYPE_BYTES, ProbeSpec
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class FakeDevice(Device):
         self._noise = noise
         self._jitter = jitter
         self._realtime = realtime
-        self._budget = memory_budget
+        self.memory_budget = memory_budget
         self._lock = threading.Lock()
         self._start = time.monotonic()
         self._sim_offset = 0.0  # simulated seconds added to the real clock
@@ -144,29 +144,18 @@ class FakeDevice(Device):
         self._power = power
 
     # -- Device -----------------------------------------------------------------
-    def unsupported_reason(self, spec: ProbeSpec) -> str | None:
+    def _unsupported(self, spec: ProbeSpec) -> str | None:
         if spec.kernel == "tiled" and spec.dtype != "fp32":
             return "the tiled kernel is fp32 only"
         if spec.dtype not in self.model.peak:
             return f"{self.model.name} has no {spec.dtype} support"
-        need = self._bytes(spec)
-        if need > self._budget:
-            return f"needs {need / 2**20:.0f} MiB, over the memory budget of " \
-                   f"{self._budget / 2**20:.0f} MiB"
         return None
-
-    @staticmethod
-    def _bytes(spec: ProbeSpec) -> int:
-        ib, ob = DTYPE_BYTES[spec.dtype], OUT_BYTES[spec.dtype]
-        return ib * (spec.m * spec.k + spec.k * spec.n) + ob * spec.m * spec.n
 
     def busy_reason(self) -> str | None:
         return "other_processes" if self.cfg.busy else None
 
-    def prepare(self, spec: ProbeSpec) -> None:
-        reason = self.unsupported_reason(spec)
-        if reason:
-            raise UnsupportedProbe(f"{spec.name}: {reason}")
+    def _allocate(self, spec: ProbeSpec) -> None:
+        pass  # simulated: no buffers
 
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
         with self._lock:

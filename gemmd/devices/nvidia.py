@@ -10,6 +10,7 @@ names. The tiled kernel is row-major, as written in the paper.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -35,8 +36,8 @@ from gemmd.devices.cublas import (
     CublasError,
 )
 from gemmd.devices.nvml import GpuRecord, Nvml, parse_visible_devices
-from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable, UnsupportedProbe
-from gemmd.probes import DTYPE_BYTES, OUT_BYTES, ProbeSpec, check_result
+from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable
+from gemmd.probes import ProbeSpec, check_result
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,9 @@ def chunk_size(per_iter_s: float | None) -> int:
     return int(min(_MAX_CHUNK, math.ceil(_MIN_CHUNK_S / per_iter_s)))
 
 
-def unsupported(spec: ProbeSpec, cc: tuple[int, int], budget: int) -> str | None:
-    """Why this GPU (compute capability ``cc``) can't run ``spec``, or None. Pure."""
+def unsupported(spec: ProbeSpec, cc: tuple[int, int]) -> str | None:
+    """Why a GPU of compute capability ``cc`` can't run ``spec`` (the memory budget aside),
+    or None. Pure."""
     if spec.kernel == "tiled":
         if spec.dtype != "fp32":
             return "the tiled kernel is fp32 only"
@@ -136,15 +138,7 @@ def unsupported(spec: ProbeSpec, cc: tuple[int, int], budget: int) -> str | None
         return f"{spec.dtype} needs compute capability 8.0 or newer (GPU has {cc[0]}.{cc[1]})"
     if spec.dtype not in _arch(cc):
         return f"no {spec.dtype} support on compute capability {cc[0]}.{cc[1]}"
-    need = buffer_bytes(spec)
-    if need > budget:
-        return f"needs {need / 2**20:.0f} MiB, over the memory budget of {budget / 2**20:.0f} MiB"
     return None
-
-
-def buffer_bytes(spec: ProbeSpec) -> int:
-    ib, ob = DTYPE_BYTES[spec.dtype], OUT_BYTES[spec.dtype]
-    return ib * (spec.m * spec.k + spec.k * spec.n) + ob * spec.m * spec.n
 
 
 def _bus(bus_id: str) -> str:
@@ -197,6 +191,8 @@ def visible(records: list[GpuRecord], env: str | None,
 
 def open_all(*, memory_budget: int, isolation: str = "process", seed: int = 0) -> list[Device]:
     """Every usable GPU; MIG-enabled GPUs are reported and left out."""
+    from gemmd.devices.worker import isolated
+
     nvml = Nvml()
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     wanted = parse_visible_devices(env) or []
@@ -213,14 +209,10 @@ def open_all(*, memory_budget: int, isolation: str = "process", seed: int = 0) -
                            "left out", r.index, r.uuid, len(r.mig_instances),
                            ", ".join(r.mig_instances) or "")
             continue
-        kwargs = {"record": r, "memory_budget": memory_budget, "seed": seed}
+        factory = functools.partial(NvidiaDevice, record=r, memory_budget=memory_budget,
+                                    seed=seed)
         try:
-            if isolation == "thread":
-                devices.append(NvidiaDevice(**kwargs))
-            else:
-                from gemmd.devices.worker import WorkerDevice
-
-                devices.append(WorkerDevice(("nvidia", kwargs), f"GPU {r.index}"))
+            devices.append(isolated(factory, f"GPU {r.index}", isolation))
         except (DeviceError, DeviceUnavailable) as e:
             logger.error("GPU %d (%s): cannot be opened: %s", r.index, r.uuid, e)
     if not devices:
@@ -308,7 +300,7 @@ class NvidiaDevice(Device):
             extra={"pci_bus_id": record.pci_bus_id, "cuda_ordinal": ordinal,
                    "compute_capability": "{}.{}".format(*record.compute_capability),
                    "record": asdict(record)})
-        self._budget = memory_budget
+        self.memory_budget = memory_budget
         self._rng = cupy.random.default_rng(seed)
         self._host_rng = np.random.default_rng(seed)
         self._bufs = BufferCache(memory_budget)
@@ -345,8 +337,8 @@ class NvidiaDevice(Device):
         raise DeviceUnavailable(f"GPU {self.record.index} ({bus_id}) is not visible to CUDA")
 
     # ---------------------------------------------------------------- Device
-    def unsupported_reason(self, spec: ProbeSpec) -> str | None:
-        return unsupported(spec, self.record.compute_capability, self._budget)
+    def _unsupported(self, spec: ProbeSpec) -> str | None:
+        return unsupported(spec, self.record.compute_capability)
 
     def busy_reason(self) -> str | None:
         with self.nvml.errors(f"GPU {self.record.index}"):
@@ -360,16 +352,13 @@ class NvidiaDevice(Device):
     def _key(self, spec: ProbeSpec) -> tuple:
         return (spec.m, spec.n, spec.k, spec.dtype, spec.kernel, spec.layout)
 
-    def prepare(self, spec: ProbeSpec) -> None:
-        reason = self.unsupported_reason(spec)
-        if reason:
-            raise UnsupportedProbe(f"{spec.name}: {reason}")
+    def _allocate(self, spec: ProbeSpec) -> None:
         key = self._key(spec)
         if self._bufs.get(key) is not None:
             if spec.kernel == "tiled":
                 self._kernel(spec.tile)
             return
-        need = buffer_bytes(spec)
+        need = spec.buffer_bytes
         cp = self.cp
         with self._translate(f"allocate {spec.name}"), self.dev:
             if self._bufs.make_room(need):

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from gemmd.config import MeasureConfig
@@ -41,29 +42,26 @@ _ERRORS = {c.__name__: c for c in (DeviceError, DeviceFault, DeviceUnavailable, 
                                    UnsupportedProbe)}
 
 
-def build_device(factory: tuple) -> Device:
-    """Construct a device from a picklable recipe; runs in the child."""
-    kind, kwargs = factory
-    if kind == "nvidia":
-        from gemmd.devices.nvidia import NvidiaDevice
-
-        return NvidiaDevice(**kwargs)
-    if kind == "fake":
-        from gemmd.devices.fake import FakeDevice
-
-        return FakeDevice(**kwargs)
-    raise ValueError(f"unknown device kind {kind!r}")
+def isolated(factory: Callable[[], Device], label: str, isolation: str) -> Device:
+    """The one place that decides where a device runs: ``factory()`` in this process
+    ("thread": a probe runs in the scheduler's thread), or in a worker process ("process")."""
+    if isolation == "thread":
+        return factory()
+    return WorkerDevice(factory, label)
 
 
-def _serve(conn: Any, factory: tuple) -> None:
+def _serve(conn: Any, factory: Callable[[], Device]) -> None:
     """Child main loop: build the device, then answer calls until told to stop."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     try:
-        dev = build_device(factory)
-    except Exception as e:
+        dev = factory()
+    except GemmdError as e:
         conn.send(("err", type(e).__name__, str(e)))
+        return
+    except Exception as e:  # a bug, or a vendor error the backend did not translate
+        conn.send(("err", "DeviceError", f"cannot build the device: {type(e).__name__}: {e}"))
         return
     conn.send(("ok", dev.info))
     while True:
@@ -99,9 +97,14 @@ def _serve(conn: Any, factory: tuple) -> None:
 
 
 class WorkerDevice(Device):
-    """A Device whose calls run in a child process (spawned, never forked)."""
+    """A Device whose calls run in a child process (spawned, never forked).
 
-    def __init__(self, factory: tuple, label: str):
+    ``factory``: a picklable callable that builds the real device in the child (e.g.
+    ``functools.partial(NvidiaDevice, record=..., memory_budget=...)``); this module knows
+    no backend.
+    """
+
+    def __init__(self, factory: Callable[[], Device], label: str):
         self.factory = factory
         self.label = label
         self._ctx = mp.get_context("spawn")
