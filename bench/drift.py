@@ -36,8 +36,9 @@ from gemmd.drift import (
     predicted_of,
     update,
 )
+from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel
-from gemmd.probes import ProbeSpec, as_row, measure
+from gemmd.probes import as_row, measure
 
 ROUND_S = 120.0
 ROUNDS_PER_YEAR = int(365 * 86400 / ROUND_S)

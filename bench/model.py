@@ -29,8 +29,8 @@ import numpy as np
 
 from gemmd import datasets, evaluate
 from gemmd.config import ModelConfig
+from gemmd.gemm import ProbeSpec
 from gemmd.model import _COLUMN, TARGETS, ForestModel
-from gemmd.probes import ProbeSpec
 
 ALL = ("gpperf-cutlass", "gpperf-tiled", "b200", "xla")
 CV_MAX_ROWS = 50_000  # grouped 5-fold CV only where it is cheap

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from gemmd.cli import int_range, mnk
-from gemmd.config import DTYPES, LAYOUTS
 from gemmd.errors import GemmdError, InputError
+from gemmd.gemm import COLUMN, DTYPES, LAYOUTS
 
 FORMAT_CHOICES = ("auto", "gpperf-cutlass", "gpperf-tiled", "b200", "xla", "csv")
 
@@ -404,8 +404,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         n = importer.import_dataset(store, ds, source)
     finally:
         store.close()
-    meas = ", ".join(f"{t} {int(np.isfinite(ds.table[c]).sum()):,}" for t, c in
-                     (("runtime", "runtime_s"), ("power", "power_w"), ("energy", "energy_j"))
+    meas = ", ".join(f"{t} {int(np.isfinite(ds.table[c]).sum()):,}" for t, c in COLUMN.items()
                      if np.isfinite(ds.table[c]).any())
     gpus = ", ".join(d.name for d in ds.table.devices)
     print(f"imported {n:,} rows ({meas}) on {gpus} as source {source!r}")

@@ -22,8 +22,9 @@ from gemmd.devices import Device, open_devices
 from gemmd.drift import DriftMonitor, DriftParams, residual_of
 from gemmd.errors import GemmdError
 from gemmd.exporter import Exposition, serve
-from gemmd.features import COLUMN, spec_of
-from gemmd.probes import Measurement, ProbeSpec
+from gemmd.features import spec_of
+from gemmd.gemm import COLUMN, ProbeSpec
+from gemmd.probes import Measurement
 from gemmd.registry import ModelRegistry
 from gemmd.rounds import DeviceRunner
 from gemmd.state import ProbeState, State

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gemmd.config import DTYPES, LAYOUTS
 from gemmd.devices.base import DeviceInfo
-from gemmd.devices.nvidia import peak_flops
 from gemmd.errors import InputError
-from gemmd.features import KERNELS, NUMERIC_DEFAULTS, TARGET_COLUMNS, Table, concat, flops
+from gemmd.features import NUMERIC_DEFAULTS, Table, concat, flops
+from gemmd.gemm import DATA_KERNELS, DTYPES, LAYOUTS, TARGET_COLUMNS
+from gemmd.hardware import peak_flops
 
 # ------------------------------------------------------------------ known GPUs
 
@@ -417,7 +417,7 @@ def load_csv(path: str | Path, gpu: str | None = None) -> Dataset:
     if f.has("batch"):
         cols["batch"] = _opt_int(f, "batch", 1.0, 1 << 24)
     if f.has("kernel"):
-        cols["kernel"] = f.choice("kernel", {k: k for k in KERNELS} | {"": "blas"}, "kernel")
+        cols["kernel"] = f.choice("kernel", {k: k for k in DATA_KERNELS} | {"": "blas"}, "kernel")
     if f.has("layout"):
         cols["layout"] = f.choice("layout", {x: x for x in LAYOUTS} | {"": "nn"}, "layout")
     if f.has("out_dtype"):

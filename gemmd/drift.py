@@ -43,8 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemmd.features import COLUMN, TARGETS
-from gemmd.probes import ProbeSpec
+from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import numpy as np
 from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.errors import InputError
-from gemmd.features import COLUMN, TARGETS, Table
+from gemmd.features import Table
+from gemmd.gemm import COLUMN, TARGETS
 from gemmd.model import ForestModel
 
 SEED = 42

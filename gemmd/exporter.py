@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gemmd import __version__
-from gemmd.probes import PROBE_LABELS
+from gemmd.gemm import COLUMN, PROBE_LABELS, TARGETS, UNIT
 from gemmd.state import DeviceState, State
 
 logger = logging.getLogger(__name__)
@@ -43,11 +43,8 @@ KINDS = ("sentinel", "exploration")
 # Skip reasons that always exist (as zero) so that rate() and alerts see them from the start.
 SKIP_REASONS = ("other_processes", "duty_cycle", "device_down")
 
-_TARGETS = (  # (name, unit suffix, attribute of Measurement and Prediction, help noun)
-    ("runtime", "seconds", "runtime_s", "median per-GEMM runtime"),
-    ("power", "watts", "power_w", "average power over the probe window"),
-    ("energy", "joules", "energy_j", "energy per GEMM"),
-)
+_TARGETS = tuple((t, UNIT[t], COLUMN[t], noun) for t, noun in zip(TARGETS, (
+    "median per-GEMM runtime", "average power over the probe window", "energy per GEMM")))
 
 
 def _dev_labels(d: DeviceState) -> list[str]:

@@ -15,11 +15,21 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.config import DTYPES, LAYOUTS
 from gemmd.devices.base import DeviceInfo
-from gemmd.probes import DTYPE_BYTES, OUT_BYTES, ProbeSpec
-
-KERNELS = ("blas", "tiled", "cutlass")
+from gemmd.gemm import (
+    COLUMN,
+    DATA_KERNELS,
+    DTYPE_BYTES,
+    DTYPES,
+    LAYOUTS,
+    OUT_BYTES,
+    TARGET_COLUMNS,
+    TARGETS,
+    ProbeSpec,
+    gemm_bytes,
+    gemm_flops,
+    roofline_s,
+)
 
 # Optional numeric columns and their value when a row does not say (0 = unknown).
 NUMERIC_DEFAULTS = {"batch": 1.0, "tile": 0.0, "cta_m": 0.0, "cta_n": 0.0, "cta_k": 0.0,
@@ -28,15 +38,12 @@ NUMERIC_DEFAULTS = {"batch": 1.0, "tile": 0.0, "cta_m": 0.0, "cta_n": 0.0, "cta_
 # rows that differ only there are different configurations, not repeats.
 TEXT_DEFAULTS = {"dtype": "fp32", "kernel": "blas", "layout": "nn", "out_dtype": "",
                  "variant": ""}
-TARGETS = ("runtime", "power", "energy")
-# Where each target is stored: probe rows, Measurement and Prediction use the same names.
-COLUMN = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}
-TARGET_COLUMNS = tuple(COLUMN[t] for t in TARGETS)
+__all__ = ["COLUMN", "FEATURES", "TARGETS", "TARGET_COLUMNS", "Table"]  # targets: gemmd.gemm
 
 FEATURES = (
     "log2_m", "log2_n", "log2_k", "log2_batch", "log2_flops", "log2_intensity",
     "dtype_bytes", "out_bytes", *(f"dtype_{d}" for d in DTYPES),
-    *(f"kernel_{k}" for k in KERNELS), "tile", "cta_m", "cta_n", "cta_k", "stages",
+    *(f"kernel_{k}" for k in DATA_KERNELS), "tile", "cta_m", "cta_n", "cta_k", "stages",
     "beta_nonzero", "alpha_not_one", *(f"layout_{x}" for x in LAYOUTS),
     "align_m", "align_n", "align_k", "log2_peak_flops", "log2_bandwidth", "sm_count",
     "log2_roofline_s", "log2_intensity_over_ridge", "wave_efficiency", "tile_efficiency",
@@ -179,16 +186,13 @@ def _lookup(values: np.ndarray, table: Mapping[str, float], default: float) -> n
 
 
 def flops(t: Table) -> np.ndarray:
-    return 2.0 * t["batch"] * t["m"] * t["n"] * t["k"]
+    return gemm_flops(t["m"], t["n"], t["k"], t["batch"])
 
 
 def traffic_bytes(t: Table) -> np.ndarray:
     """Compulsory traffic: read A and B once, write C once (and read it when beta != 0)."""
-    ib = _lookup(t["dtype"], DTYPE_BYTES, 4.0)
-    ob = _out_bytes(t)
-    m, n, k = t["m"], t["n"], t["k"]
-    c_passes = 1.0 + (t["beta"] != 0)
-    return t["batch"] * (ib * (m * k + k * n) + ob * m * n * c_passes)
+    return gemm_bytes(t["m"], t["n"], t["k"], _lookup(t["dtype"], DTYPE_BYTES, 4.0),
+                      _out_bytes(t), t["batch"], 1.0 + (t["beta"] != 0))
 
 
 def _out_bytes(t: Table) -> np.ndarray:
@@ -215,7 +219,7 @@ def roofline(t: Table) -> np.ndarray:
     """Lower bound on runtime, seconds; 1 TFLOP/s when the device's peaks are unknown."""
     peak, bw = peak_vector(t)
     f = flops(t)
-    r = np.maximum(f / peak, traffic_bytes(t) / bw)
+    r = roofline_s(f, traffic_bytes(t), peak, bw)
     return np.where(np.isfinite(r) & (r > 0), r, f / 1e12)
 
 
@@ -255,8 +259,7 @@ def table_matrix(t: Table) -> np.ndarray:
     bw_ok = np.where(np.isfinite(bw), bw, 1e11)
     sms = np.array([float(d.sm_count or 0) for d in t.devices])[t.device] if len(t) else \
         np.zeros(0)
-    compute_s, memory_s = f / peak_ok, by / bw_ok
-    roof = np.maximum(compute_s, memory_s)
+    roof = roofline_s(f, by, peak_ok, bw_ok)
     tm, tn = _tiles(t)
     wave_eff, waves, _ = _waves(t, tm, tn, sms)
     tile_eff = (m * n) / (np.ceil(m / tm) * tm * np.ceil(n / tn) * tn)
@@ -267,7 +270,7 @@ def table_matrix(t: Table) -> np.ndarray:
         np.log2(m), np.log2(n), np.log2(k), np.log2(b), np.log2(f), np.log2(f / by),
         _lookup(t["dtype"], DTYPE_BYTES, 4.0), _out_bytes(t),
         *((t["dtype"] == d).astype(np.float64) for d in DTYPES),
-        *((t["kernel"] == x).astype(np.float64) for x in KERNELS),
+        *((t["kernel"] == x).astype(np.float64) for x in DATA_KERNELS),
         t["tile"], t["cta_m"], t["cta_n"], t["cta_k"], t["stages"],
         (t["beta"] != 0).astype(np.float64), (t["alpha"] != 1).astype(np.float64),
         *((t["layout"] == x).astype(np.float64) for x in LAYOUTS),

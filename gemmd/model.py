@@ -31,8 +31,8 @@ from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError
-from gemmd.features import COLUMN, TARGETS, Table
-from gemmd.probes import ProbeSpec
+from gemmd.features import Table
+from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -358,9 +358,8 @@ class ForestModel:
         out = self.predict_table(Table.from_specs(specs, infos))
         preds = [Prediction() for _ in specs]
         for target, res in out.items():
-            unit = {"runtime": "runtime_s", "power": "power_w", "energy": "energy_j"}[target]
             for i, p in enumerate(preds):
-                setattr(p, unit, float(res["point"][i]))
+                setattr(p, COLUMN[target], float(res["point"][i]))
                 setattr(p, f"{target}_lo", float(res["lo"][i]))
                 setattr(p, f"{target}_hi", float(res["hi"][i]))
                 p.sigma[target] = float(res["sigma"][i])

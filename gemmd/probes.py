@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gemmd.errors import DeviceError, ProbeCancelled
+from gemmd.gemm import ProbeSpec
 
 if TYPE_CHECKING:
     from gemmd.config import ExplorationConfig, MeasureConfig, ProbeGroup
@@ -25,53 +26,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Bytes per element of the inputs; fp8 GEMMs write a 16-bit output.
-DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-OUT_BYTES = {**DTYPE_BYTES, "fp8": 2}
-
-
-@dataclass(frozen=True, order=True)
-class ProbeSpec:
-    m: int
-    n: int
-    k: int
-    dtype: str = "fp32"
-    kernel: str = "blas"
-    tile: int = 0  # tile edge of the tiled kernel; 0 for blas
-    layout: str = "nn"
-
-    @property
-    def flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Memory for A, B and C: what a device must hold to run this GEMM."""
-        ib, ob = DTYPE_BYTES[self.dtype], OUT_BYTES[self.dtype]
-        return ib * (self.m * self.k + self.k * self.n) + ob * self.m * self.n
-
-    @property
-    def bytes(self) -> float:
-        """Compulsory traffic: read A and B once, write C once."""
-        return float(self.buffer_bytes)
-
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity, FLOP per byte of compulsory traffic."""
-        return self.flops / self.bytes
-
-    @property
-    def name(self) -> str:
-        kern = f"tiled{self.tile}" if self.kernel == "tiled" else self.kernel
-        return f"{kern}-{self.dtype}-{self.layout}-{self.m}x{self.n}x{self.k}"
-
-    def labels(self) -> dict[str, str]:
-        return {"probe": self.name, "m": str(self.m), "n": str(self.n), "k": str(self.k),
-                "dtype": self.dtype, "kernel": self.kernel, "tile": str(self.tile),
-                "layout": self.layout}
-
-
-PROBE_LABELS = ("probe", "m", "n", "k", "dtype", "kernel", "tile", "layout")
 
 
 def _expand(shapes: Iterable[tuple[int, int, int]], dtypes: Sequence[str],

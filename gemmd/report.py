@@ -19,7 +19,8 @@ import numpy as np
 from gemmd import evaluate
 from gemmd.config import ModelConfig
 from gemmd.datasets import Dataset
-from gemmd.features import COLUMN, TARGETS, Table, flops
+from gemmd.features import Table, flops
+from gemmd.gemm import COLUMN, TARGETS
 
 COLORS = {"gemmd": "#1f77b4", "gpperf": "#d62728", "measured": "#222222"}
 W, H, PAD = 560, 360, 56

@@ -12,7 +12,7 @@ from gemmd.config import FakeDeviceConfig
 from gemmd.devices.cpu import CpuDevice, Rapl
 from gemmd.devices.fake import MODELS, FakeDevice, simulated_runtime
 from gemmd.errors import DeviceError, UnsupportedProbe
-from gemmd.probes import ProbeSpec
+from gemmd.gemm import ProbeSpec
 
 NOCANCEL = threading.Event()
 H100 = MODELS["H100-SXM"]

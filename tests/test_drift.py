@@ -13,7 +13,7 @@ import pytest
 
 from gemmd.config import Config, FakeConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
 from gemmd.drift import DriftMonitor, DriftParams, Track, robust_std, update
-from gemmd.probes import ProbeSpec
+from gemmd.gemm import ProbeSpec
 
 P = {"shift": 0.05, "arl0": 5e6, "baseline_probes": 5, "min_scale": 0.01}
 SPEC = ProbeSpec(4096, 4096, 4096, "bf16")

@@ -10,8 +10,9 @@ from prometheus_client import generate_latest
 from gemmd.config import FakeDeviceConfig, MeasureConfig
 from gemmd.devices.fake import FakeDevice
 from gemmd.exporter import make_registry
+from gemmd.gemm import ProbeSpec
 from gemmd.model import RooflinePredictor
-from gemmd.probes import ProbeSpec, measure
+from gemmd.probes import measure
 from gemmd.state import ProbeState, State
 
 

@@ -36,7 +36,8 @@ from gemmd.config import MeasureConfig
 from gemmd.devices import cublas, nvidia, nvml
 from gemmd.devices.nvml import Nvml
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable, UnsupportedProbe
-from gemmd.probes import ProbeSpec, measure
+from gemmd.gemm import ProbeSpec
+from gemmd.probes import measure
 
 ROOT = Path(__file__).resolve().parent.parent
 BUS = "00000000:18:00.0"

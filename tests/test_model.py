@@ -11,8 +11,9 @@ import pytest
 from gemmd.config import FakeDeviceConfig, MeasureConfig, ModelConfig
 from gemmd.devices.fake import FakeDevice
 from gemmd.errors import ModelError
+from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor
-from gemmd.probes import ProbeSpec, as_row, measure
+from gemmd.probes import as_row, measure
 from gemmd.registry import ModelRegistry
 from gemmd.state import State
 from gemmd.store import Store

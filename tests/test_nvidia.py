@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from cuda_standin import FakePynvml  # tied to the real pynvml's functions and constants
 
+from gemmd import hardware
 from gemmd.devices import nvidia
 from gemmd.devices.base import over_budget
 from gemmd.devices.nvml import Nvml, decode_reasons, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceUnavailable
-from gemmd.probes import ProbeSpec, check_result
+from gemmd.gemm import ProbeSpec
+from gemmd.probes import check_result
 
 
 def _gpus(**extra):
@@ -92,17 +94,17 @@ def test_open_all_without_pynvml_or_gpu_is_unavailable(monkeypatch):
 
 
 def test_peak_flops_and_bandwidth_match_datasheets():
-    h100 = nvidia.peak_flops((9, 0), 132, 1.83e9)  # tensor-core boost clock
+    h100 = hardware.peak_flops((9, 0), 132, 1.83e9)  # tensor-core boost clock
     assert h100["bf16"] == pytest.approx(989e12, rel=0.01)
     assert h100["fp32"] == pytest.approx(61.8e12, rel=0.01)
-    a100 = nvidia.peak_flops((8, 0), 108, 1.41e9)
+    a100 = hardware.peak_flops((8, 0), 108, 1.41e9)
     assert a100["bf16"] == pytest.approx(312e12, rel=0.01)
     assert a100["fp32"] == pytest.approx(19.5e12, rel=0.01) and "fp8" not in a100
-    l4 = nvidia.peak_flops((8, 9), 58, 2.04e9)
+    l4 = hardware.peak_flops((8, 9), 58, 2.04e9)
     assert l4["fp8"] == pytest.approx(242e12, rel=0.01)
-    assert nvidia.peak_flops((9, 9), 1, 1.0) == nvidia.peak_flops((9, 0), 1, 1.0)  # nearest
-    assert nvidia.bandwidth(5120, 2619e6) == pytest.approx(3.35e12, rel=0.01)
-    assert nvidia.bandwidth(None, 2619e6) == 0.0
+    assert hardware.peak_flops((9, 9), 1, 1.0) == hardware.peak_flops((9, 0), 1, 1.0)  # nearest
+    assert hardware.bandwidth(5120, 2619e6) == pytest.approx(3.35e12, rel=0.01)
+    assert hardware.bandwidth(None, 2619e6) == 0.0
 
 
 def test_unsupported_reasons():

@@ -9,8 +9,8 @@ import pytest
 from gemmd.config import ExplorationConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
 from gemmd.devices.fake import MODELS, FakeDevice
 from gemmd.errors import ProbeCancelled, UnsupportedProbe
+from gemmd.gemm import ProbeSpec
 from gemmd.probes import (
-    ProbeSpec,
     build_plan,
     check_result,
     check_tolerance,

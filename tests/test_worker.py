@@ -15,7 +15,7 @@ from gemmd.config import FakeDeviceConfig, MeasureConfig
 from gemmd.devices.fake import FakeDevice
 from gemmd.devices.worker import WorkerDevice
 from gemmd.errors import DeviceError, DeviceFault, ProbeCancelled, UnsupportedProbe
-from gemmd.probes import ProbeSpec
+from gemmd.gemm import ProbeSpec
 
 SPEC = ProbeSpec(1024, 1024, 1024, "bf16")
 FAST = MeasureConfig(window_s=0.1, warmup_s=0.0, timeout_s=3.0)

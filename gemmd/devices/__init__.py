@@ -10,12 +10,12 @@ import logging
 from collections.abc import Sequence
 
 from gemmd.config import Config
-from gemmd.devices.base import Device, DeviceInfo, roofline_seconds
+from gemmd.devices.base import Device, DeviceInfo
 from gemmd.errors import DeviceUnavailable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Device", "DeviceInfo", "open_devices", "roofline_seconds", "select"]
+__all__ = ["Device", "DeviceInfo", "open_devices", "select"]
 
 
 def select(devices: Sequence[Device], wanted: str | Sequence[int | str]) -> list[Device]:

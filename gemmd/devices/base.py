@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gemmd.errors import UnsupportedProbe
-from gemmd.probes import Measurement, ProbeSpec
+from gemmd.gemm import ProbeSpec
+from gemmd.probes import Measurement
 
 if TYPE_CHECKING:
     from gemmd.config import MeasureConfig
@@ -30,17 +31,6 @@ class DeviceInfo:
     memory_bytes: int | None = None
     power_limit_w: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def roofline_seconds(info: DeviceInfo, spec: ProbeSpec) -> float | None:
-    """Lower bound on runtime: max(compute time at peak, compulsory traffic at peak bandwidth).
-
-    The tiled kernel runs on the fp32 (SIMT) units whatever the tensor-core peaks are.
-    """
-    peak = info.peak_flops.get("fp32" if spec.kernel == "tiled" else spec.dtype)
-    if not peak or not info.mem_bandwidth:
-        return None
-    return max(spec.flops / peak, spec.bytes / info.mem_bandwidth)
 
 
 @dataclass

@@ -19,7 +19,8 @@ import numpy as np
 
 from gemmd.devices.base import BufferCache, Device, DeviceInfo
 from gemmd.errors import DeviceError
-from gemmd.probes import ProbeSpec, check_result
+from gemmd.gemm import ProbeSpec
+from gemmd.probes import check_result
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import numpy as np
 from gemmd.config import FakeDeviceConfig
 from gemmd.devices.base import Device, DeviceInfo, Run
 from gemmd.errors import DeviceError, DeviceFault
-from gemmd.probes import DTYPE_BYTES, ProbeSpec
+from gemmd.gemm import DTYPE_BYTES, ProbeSpec
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from gemmd.errors import (
     StoreError,
     UnsupportedProbe,
 )
-from gemmd.probes import Measurement, ProbeSpec
+from gemmd.gemm import ProbeSpec
+from gemmd.probes import Measurement
 
 logger = logging.getLogger(__name__)
 
