@@ -156,7 +156,7 @@ def _cfg(tmp_path, **fake):
 
 def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
     from gemmd.daemon import REBASELINE_REQUEST, Daemon
-    from gemmd.exporter import make_registry
+    from gemmd.exporter import assemble
 
     d = Daemon(_cfg(tmp_path))
     try:
@@ -176,7 +176,7 @@ def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
         assert not d.state.drift.device_drifting(uuid0)
         flagged = [r for r in d.store.probes(include_flagged=True) if r["flagged"]]
         assert flagged and {r["device_uuid"] for r in flagged} == {uuid1}
-        reg = make_registry(d.state, process=False)
+        reg = assemble(d.state, process=False)
         lab = {"gpu": "1", "uuid": uuid1, "gpu_model": slowed.device.info.name}
         assert reg.get_sample_value("gemmd_device_drifting", lab) == 1
         assert reg.get_sample_value("gemmd_drift_alarms_total", {**lab, "target": "runtime"}

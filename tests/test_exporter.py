@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from prometheus_client import generate_latest
-
 from gemmd.config import FakeDeviceConfig, MeasureConfig
 from gemmd.devices.fake import FakeDevice
-from gemmd.exporter import make_registry
+from gemmd.exporter import Exposition, assemble
 from gemmd.gemm import ProbeSpec
 from gemmd.model import RooflinePredictor
 from gemmd.probes import measure
@@ -46,7 +44,7 @@ def _state_with_probe(slow: float = 1.0):
 
 def test_measured_predicted_ratio_share_labels_and_units():
     state, dev, spec, m, p = _state_with_probe()
-    reg = make_registry(state, process=False)
+    reg = assemble(state, process=False)
     labels = {"gpu": "0", "uuid": dev.info.uuid, "gpu_model": dev.info.name, **spec.labels()}
     g = reg.get_sample_value
     assert g("gemmd_probe_runtime_seconds", labels) == m.runtime_s
@@ -67,7 +65,7 @@ def test_device_counters_context_and_model_info():
     dev.armed = False
     nominal = dev.model.sm_clock_hz
     dev.armed = True
-    reg = make_registry(state, process=False)
+    reg = assemble(state, process=False)
     d = {"gpu": "0", "uuid": dev.info.uuid, "gpu_model": dev.info.name}
     g = reg.get_sample_value
     assert g("gemmd_device_up", d) == 1
@@ -88,7 +86,7 @@ def test_device_counters_context_and_model_info():
 
 def test_exposition_is_valid_text_and_names_follow_conventions():
     state, *_ = _state_with_probe()
-    text = generate_latest(make_registry(state)).decode()
+    text = Exposition(state).body().decode()
     names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
     assert all(n.startswith(("gemmd_", "process_")) for n in names)
     for line in text.splitlines():
@@ -101,15 +99,15 @@ def test_exposition_is_valid_text_and_names_follow_conventions():
 
 def test_collect_failure_is_reported_not_raised(monkeypatch):
     state, *_ = _state_with_probe()
-    reg = make_registry(state, process=False)
+    exp = Exposition(state, process=False)
     monkeypatch.setattr(state, "snapshot", lambda: (_ for _ in ()).throw(RuntimeError("bug")))
-    text = generate_latest(reg).decode()
+    text = exp.body().decode()
     assert "gemmd_scrape_collector_success 0.0" in text
 
 
 def test_concurrent_scrapes_and_updates_are_consistent():
     state, dev, spec, m, p = _state_with_probe()
-    reg = make_registry(state, process=False)
+    exp = Exposition(state, process=False)
     stop = threading.Event()
 
     def writer():
@@ -125,7 +123,7 @@ def test_concurrent_scrapes_and_updates_are_consistent():
     t.start()
     try:
         for _ in range(50):
-            assert "gemmd_probe_runtime_seconds{" in generate_latest(reg).decode()
+            assert "gemmd_probe_runtime_seconds{" in exp.body().decode()
     finally:
         stop.set()
         t.join()
@@ -136,7 +134,7 @@ def test_exposition_renders_state_once_per_change_and_serves_http():
     import urllib.error
     import urllib.request
 
-    from gemmd.exporter import Exposition, serve
+    from gemmd.exporter import serve
 
     state, dev, spec, m, p = _state_with_probe()
     exp = Exposition(state, process=False)

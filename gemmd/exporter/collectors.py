@@ -1,39 +1,32 @@
-"""Prometheus collectors exposing the daemon's current state, and the HTTP server for it.
+"""Prometheus collectors, one per metric group, over the daemon's live state.
 
-``collect()`` reads only the in-memory State snapshot: no device, NVML or store call runs
-on a scrape. Measured and predicted values share identical label sets so that PromQL can
-divide them directly; label values come from the probe plan, never from unbounded data.
+Collectors read only the in-memory state (one snapshot per state change, shared by the
+groups): no device, NVML or store call runs on a scrape. Measured and predicted values
+share identical label sets so that PromQL can divide them directly; label values come from
+the probe plan, never from unbounded data.
 
-Text formatting costs ~15 us per labelled sample in prometheus_client (bench/RESULTS.md),
-so the state's families are rendered once per state change and served from that cache;
-only the live gauges (probe in flight, self-metrics, process) are rendered per scrape.
+``assemble()`` is the one place the groups are put together, for the daemon and the tests:
+the groups that change only with the state go in one registry (rendered once per change,
+see ``Exposition``), the live ones (probe in flight, self-metrics, process) in another.
 """
 
 from __future__ import annotations
 
-import gzip
 import logging
 import math
 import platform
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from dataclasses import dataclass
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    ProcessCollector,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gemmd import __version__
 from gemmd.gemm import COLUMN, PROBE_LABELS, TARGETS, UNIT
-from gemmd.state import DeviceState, State
+from gemmd.state import DeviceState, Snapshot, State
 
 logger = logging.getLogger(__name__)
 
@@ -51,40 +44,74 @@ def _dev_labels(d: DeviceState) -> list[str]:
     return [str(d.info.index), d.info.uuid, d.info.name]
 
 
-class GemmdCollector(Collector):
-    """Everything that changes only when the state does (cached between changes)."""
+class Snapshots:
+    """One copy of the state per state change, shared by the groups of a render; and
+    whether every group rendered the last time (gemmd_scrape_collector_success)."""
 
     def __init__(self, state: State):
         self.state = state
-        self.last_success = 1.0
+        self._lock = threading.Lock()
+        self._version: int | None = None
+        self._snap: Snapshot | None = None
+        self.failed: set[str] = set()
+
+    def get(self) -> Snapshot:
+        with self._lock:
+            version = self.state.version
+            if version != self._version or self._snap is None:
+                self._snap, self._version = self.state.snapshot(), version
+            return self._snap
+
+
+class _Group(Collector):
+    """A collector of one metric group; a bug in one group never fails a scrape."""
+
+    name = ""
+
+    def __init__(self, snapshots: Snapshots):
+        self.snapshots = snapshots
 
     def collect(self) -> Iterator[Metric]:
         try:
-            yield from self._collect()
-            self.last_success = 1.0
-        except Exception:  # a scrape must never fail on a bug in one family
-            logger.exception("collect failed")
-            self.last_success = 0.0
+            families = list(self.families(self.snapshots.get()))
+        except Exception:
+            logger.exception("collecting the %s metrics failed", self.name)
+            self.snapshots.failed.add(self.name)
+            return
+        self.snapshots.failed.discard(self.name)
+        yield from families
 
-    def _collect(self) -> Iterator[Metric]:
-        snap = self.state.snapshot()
-        devices, probes, model = snap.devices, snap.probes, snap.model
+    def families(self, snap: Snapshot) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class DaemonCollector(_Group):
+    """Build, start time, store errors, the probe interval."""
+
+    name = "daemon"
+
+    def families(self, snap: Snapshot) -> Iterator[Metric]:
         info = GaugeMetricFamily("gemmd_build_info", "gemmd build information",
                                  labels=("version", "python_version"))
         info.add_metric([__version__, platform.python_version()], 1)
         yield info
         yield GaugeMetricFamily("gemmd_start_time_seconds",
-                                "Unix time the daemon started", value=self.state.started)
+                                "Unix time the daemon started", value=self.snapshots.state.started)
         yield CounterMetricFamily("gemmd_store_errors", "Probe results that could not be "
                                   "written to the store", value=snap.store_errors_total)
         if snap.probe_interval_s:
             yield GaugeMetricFamily("gemmd_probe_interval_seconds",
                                     "Configured time between probe rounds of a device",
                                     value=snap.probe_interval_s)
-        yield from self._devices(devices)
-        yield from self._probes(devices, probes)
-        yield from self._drift(devices, snap)
-        yield from self._model(model)
+
+
+class DeviceCollector(_Group):
+    """Per device: info, up, failures, plan, probes and skips, rounds, clocks, reasons."""
+
+    name = "devices"
+
+    def families(self, snap: Snapshot) -> Iterator[Metric]:
+        return self._devices(snap.devices)
 
     def _devices(self, devices: list[DeviceState]) -> Iterator[Metric]:
         L = DEVICE_LABELS
@@ -146,6 +173,14 @@ class GemmdCollector(Collector):
         yield from (dinfo, up, fails, plan, probes, skipped, rounds, busy, last,
                     *ctx_fams.values(), reasons)
 
+class ProbeCollector(_Group):
+    """Per device and sentinel probe: measured, predicted, interval, ratio, window."""
+
+    name = "probes"
+
+    def families(self, snap: Snapshot) -> Iterator[Metric]:
+        return self._probes(snap.devices, snap.probes)
+
     def _probes(self, devices: list[DeviceState], probes: list) -> Iterator[Metric]:
         by_uuid = {d.info.uuid: d for d in devices}
         labels = (*DEVICE_LABELS, *PROBE_LABELS)
@@ -191,7 +226,15 @@ class GemmdCollector(Collector):
                 ).add_metric(lv, ps.ts)
         yield from fams.values()
 
-    def _drift(self, devices: list[DeviceState], snap) -> Iterator[Metric]:
+class DriftCollector(_Group):
+    """Per probe and target: CUSUM, threshold, z, reference, scale, alarm; per device."""
+
+    name = "drift"
+
+    def families(self, snap: Snapshot) -> Iterator[Metric]:
+        return self._drift(snap.devices, snap)
+
+    def _drift(self, devices: list[DeviceState], snap: Snapshot) -> Iterator[Metric]:
         by_uuid = {d.info.uuid: d for d in devices}
         labels = (*DEVICE_LABELS, *PROBE_LABELS, "target")
         cusum = GaugeMetricFamily(
@@ -241,10 +284,18 @@ class GemmdCollector(Collector):
         total = CounterMetricFamily("gemmd_drift_alarms", "Drift alarms raised",
                                     labels=(*DEVICE_LABELS, "target"))
         for d in devices:
-            for target in ("runtime", "power", "energy"):
+            for target in TARGETS:
                 key = (*_dev_labels(d), target)
                 total.add_metric(list(key), alarms.get(key, 0))
         yield from (cusum, thr, z, ref, scale, drifting, dev, total)
+
+class ModelCollector(_Group):
+    """The model predictions come from: version, samples, validation error, refits."""
+
+    name = "model"
+
+    def families(self, snap: Snapshot) -> Iterator[Metric]:
+        return self._model(snap.model)
 
     def _model(self, model) -> Iterator[Metric]:
         info = GaugeMetricFamily("gemmd_model_info", "The model predictions come from",
@@ -280,9 +331,9 @@ class GemmdCollector(Collector):
 class LiveCollector(Collector):
     """What changes between scrapes without a state change: rendered on every scrape."""
 
-    def __init__(self, state: State, gemmd: GemmdCollector):
+    def __init__(self, state: State, snapshots: Snapshots):
         self.state = state
-        self.gemmd = gemmd
+        self.snapshots = snapshots
         self.last_duration = 0.0
 
     def collect(self) -> Iterator[Metric]:
@@ -298,91 +349,43 @@ class LiveCollector(Collector):
         yield inflight
         yield GaugeMetricFamily("gemmd_scrape_collector_success",
                                 "1 if the last collection of gemmd's own metrics succeeded",
-                                value=self.gemmd.last_success)
+                                value=0.0 if self.snapshots.failed else 1.0)
         yield GaugeMetricFamily("gemmd_scrape_duration_seconds",
                                 "Time the previous /metrics response took to assemble, "
                                 "rendering included", value=self.last_duration)
 
 
-def make_registry(state: State, *, process: bool = True) -> CollectorRegistry:
-    """A fresh, uncached registry with all of gemmd's metrics (tests, one-off renders)."""
-    reg = CollectorRegistry(auto_describe=False)
-    gemmd = GemmdCollector(state)
-    reg.register(gemmd)
-    reg.register(LiveCollector(state, gemmd))
+STATE_GROUPS = (DaemonCollector, DeviceCollector, ProbeCollector, DriftCollector,
+                ModelCollector)
+
+
+@dataclass
+class Metrics:
+    """gemmd's collectors, assembled: ``cached`` changes only with the state, ``live`` on
+    every scrape."""
+
+    cached: CollectorRegistry
+    live: CollectorRegistry
+    live_collector: LiveCollector
+
+    def get_sample_value(self, name: str, labels: dict[str, str] | None = None
+                         ) -> float | None:
+        for reg in (self.cached, self.live):
+            v = reg.get_sample_value(name, labels)
+            if v is not None:
+                return v
+        return None
+
+
+def assemble(state: State, *, process: bool = True) -> Metrics:
+    """Every metric group of gemmd over ``state`` (the daemon's exposition and the tests)."""
+    snapshots = Snapshots(state)
+    cached = CollectorRegistry(auto_describe=False)
+    for group in STATE_GROUPS:
+        cached.register(group(snapshots))
+    live_collector = LiveCollector(state, snapshots)
+    live = CollectorRegistry(auto_describe=False)
+    live.register(live_collector)
     if process:
-        ProcessCollector(registry=reg)
-    return reg
-
-
-class Exposition:
-    """The /metrics body: the state's families re-rendered only after the state changed."""
-
-    def __init__(self, state: State, *, process: bool = True):
-        self.state = state
-        gemmd = GemmdCollector(state)
-        self.cached = CollectorRegistry(auto_describe=False)
-        self.cached.register(gemmd)
-        self.live_collector = LiveCollector(state, gemmd)
-        self.live = CollectorRegistry(auto_describe=False)
-        self.live.register(self.live_collector)
-        if process:
-            ProcessCollector(registry=self.live)
-        self._lock = threading.Lock()
-        self._version: int | None = None
-        self._text = b""
-        self._gzip: bytes | None = None
-        self.renders = 0
-
-    def body(self, gzip_ok: bool = False) -> bytes:
-        t0 = time.perf_counter()
-        with self._lock:
-            version = self.state.version  # read before rendering: a change during it re-renders
-            if version != self._version:
-                self._text, self._gzip, self._version = generate_latest(self.cached), None, version
-                self.renders += 1
-            if gzip_ok and self._gzip is None:
-                self._gzip = gzip.compress(self._text, 6)
-            cached = self._gzip if gzip_ok else self._text
-        live = generate_latest(self.live)
-        self.live_collector.last_duration = time.perf_counter() - t0
-        # Text format 0.0.4 is a plain sequence of families; gzip members concatenate.
-        return cached + (gzip.compress(live, 6) if gzip_ok else live)
-
-    def wsgi(self, environ: dict, start_response) -> list[bytes]:
-        path, method = environ.get("PATH_INFO", "/"), environ["REQUEST_METHOD"]
-        if method not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Allow", "GET, HEAD")])
-            return [b""]
-        if path == "/metrics":
-            gz = "gzip" in environ.get("HTTP_ACCEPT_ENCODING", "")
-            body = self.body(gz)
-            headers = [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))]
-            if gz:
-                headers.append(("Content-Encoding", "gzip"))
-            start_response("200 OK", headers)
-            return [body if method == "GET" else b""]
-        if path == "/":
-            body = b"<html><body><h1>gemmd</h1><a href='/metrics'>/metrics</a></body></html>"
-            start_response("200 OK", [("Content-Type", "text/html")])
-            return [body]
-        start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found; metrics are at /metrics\n"]
-
-
-class _Handler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # no access log on stderr
-        pass
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-def serve(exposition: Exposition, address: str, port: int) -> WSGIServer:
-    """Serve /metrics on a background thread; IPv6 addresses work too."""
-    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
-    server_cls = type("_Server", (_Server,), {"address_family": family})
-    httpd = make_server(address, port, exposition.wsgi, server_cls, handler_class=_Handler)
-    threading.Thread(target=httpd.serve_forever, name="gemmd-http", daemon=True).start()
-    return httpd
+        ProcessCollector(registry=live)
+    return Metrics(cached, live, live_collector)

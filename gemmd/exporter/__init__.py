@@ -1,0 +1,8 @@
+"""gemmd's Prometheus exporter: collectors per metric group (``collectors``), the cached
+/metrics body (``exposition``) and the HTTP server (``http``)."""
+
+from gemmd.exporter.collectors import Metrics, assemble
+from gemmd.exporter.exposition import Exposition
+from gemmd.exporter.http import serve
+
+__all__ = ["Exposition", "Metrics", "assemble", "serve"]
