@@ -38,7 +38,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,14 +69,6 @@ class Track:
 
     def ready(self) -> bool:
         return self.reference is not None
-
-
-def robust_std(xs: Iterable[float]) -> float:
-    xs = list(xs)
-    if len(xs) < 2:
-        return 0.0
-    med = statistics.median(xs)
-    return 1.4826 * statistics.median(abs(x - med) for x in xs)
 
 
 ALPHA = 0.01  # noise learning rate: about the last 100 in-control results
@@ -136,7 +128,8 @@ def set_reference(track: Track, residuals: list[float], floor: float,
 def update(track: Track, residual: float, model_sigma: float, *, shift: float, arl0: float,
            baseline_probes: int, min_scale: float, now: float,
            use_model_sigma: bool = False) -> bool:
-    """Feed one log-residual; returns True when this result raised a new alarm. Pure."""
+    """Feed one log-residual into ``track`` (updated in place: baseline, noise estimate,
+    CUSUM, alarm); True when this result raised a new alarm. No I/O, no clock but ``now``."""
     floor = max(min_scale, model_sigma if use_model_sigma else 0.0)
     if not track.ready():
         track.baseline.append(residual)

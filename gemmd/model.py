@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import tempfile
@@ -33,8 +32,6 @@ from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError
 from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
-
-logger = logging.getLogger(__name__)
 
 # Bumped whenever features or target spaces change: older files are refused, not misread.
 MODEL_FORMAT = 2
@@ -121,15 +118,6 @@ def to_model_space(target: str, t: Table, values: np.ndarray | None = None) -> n
 
 def from_model_space(target: str, t: Table, y: np.ndarray) -> np.ndarray:
     return np.exp(y) * _scale(target, t)
-
-
-def data_hash(rows: Sequence[Mapping[str, Any]]) -> str:
-    h = hashlib.sha256()
-    for r in rows:
-        h.update(json.dumps([r.get(c) for c in ("device_uuid", "m", "n", "k", "dtype", "kernel",
-                                                 "tile", "layout", "runtime_s", "power_w",
-                                                 "energy_j")], default=str).encode())
-    return h.hexdigest()[:16]
 
 
 def table_hash(t: Table) -> str:
@@ -287,9 +275,8 @@ class ForestModel:
         if len(rows) < cfg.min_samples:
             raise ModelError(f"{len(rows)} samples, fewer than model.min_samples "
                              f"({cfg.min_samples})")
-        model = cls.fit_table(Table.from_rows(rows, infos), cfg, progress=progress)
-        model.meta["data_hash"] = data_hash(rows)
-        return model
+        # One identity for one training set: fit_table's table_hash.
+        return cls.fit_table(Table.from_rows(rows, infos), cfg, progress=progress)
 
     @classmethod
     def fit_table(cls, t: Table, cfg: ModelConfig, *, progress: Progress | None = None,
@@ -450,7 +437,7 @@ def _device_meta(t: Table) -> list[dict[str, Any]]:
     return [json.loads(json.dumps(dataclasses.asdict(t.devices[j]), default=str)) for j in used]
 
 
-_CONFIGCOLUMNS = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
+_CONFIG_COLUMNS = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
                    "out_dtype")
 
 
@@ -458,11 +445,11 @@ def _configs(t: Table, limit: int = 2000) -> list[dict[str, Any]]:
     """Distinct kernel configurations seen in training, per device (for `gemmd advise`)."""
     seen: dict[tuple, dict[str, Any]] = {}
     uuids = [d.uuid for d in t.devices]
-    cols = [t[c] for c in _CONFIGCOLUMNS]
+    cols = [t[c] for c in _CONFIG_COLUMNS]
     for i in range(len(t)):
         key = (t.device[i], *(c[i] for c in cols))
         if key not in seen:
-            rec = {c: _plain(v) for c, v in zip(_CONFIGCOLUMNS, key[1:])}
+            rec = {c: _plain(v) for c, v in zip(_CONFIG_COLUMNS, key[1:])}
             seen[key] = {"device": uuids[int(key[0])], **rec}
             if len(seen) >= limit:
                 break

@@ -8,7 +8,6 @@ once here against the Device primitives so that every backend measures the same 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import threading
 from collections.abc import Iterable, Sequence
@@ -24,7 +23,6 @@ if TYPE_CHECKING:
     from gemmd.config import ExplorationConfig, MeasureConfig, ProbeGroup
     from gemmd.devices.base import Device
 
-logger = logging.getLogger(__name__)
 
 
 

@@ -104,7 +104,6 @@ def test_every_clock_event_reason_bit_of_pynvml_decodes_to_a_name():
         assert decoded[0].replace("clocks", "clock") in (words, "applications_clock_setting",
                                                          "hw_power_brake_slowdown",
                                                          "sw_power_cap", "gpu_idle")
-    assert "board_limit" in nvml.LIMITING_REASONS
 
 
 def test_every_cupy_name_the_backend_uses_exists_in_real_cupy():

@@ -7,7 +7,6 @@ a fake module. Every NVML error becomes a gemmd error here, with the NVML cause 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,8 +14,6 @@ from types import ModuleType
 from typing import Any
 
 from gemmd.errors import DeviceError, DeviceUnavailable
-
-logger = logging.getLogger(__name__)
 
 # nvmlClocksEventReason* bits (nvml.h; "throttle reasons" in older drivers). 0x200 and 0x400
 # exist only under their nvmlClocksThrottleReason* names in pynvml.
@@ -33,11 +30,6 @@ CLOCK_EVENT_REASONS = {
     0x200: "board_limit",
     0x400: "reliability",
 }
-# Reasons that mean the GPU is held below its clocks by something an operator should see.
-LIMITING_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
-                              "hw_thermal_slowdown", "hw_power_brake_slowdown", "board_limit",
-                              "reliability"})
-
 # nvml.h constants gemmd uses; the contract tests compare them with pynvml's.
 _CLOCK_SM, _CLOCK_MEM, _TEMP_GPU = 1, 2, 0  # NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU
 _ERROR_GPU_IS_LOST, _ERROR_NOT_SUPPORTED = 15, 3
