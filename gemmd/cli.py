@@ -64,7 +64,7 @@ def _load_config(args: argparse.Namespace) -> Config:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    path = args.file or args.config
+    path = args.file if args.file is not None else args.config  # '' is a (bad) file name
     load(path)
     print(f"{path or '<built-in defaults>'}: OK")
     return 0

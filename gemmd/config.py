@@ -1,14 +1,21 @@
 """Load and validate gemmd.yaml into frozen dataclasses.
 
 Validation runs once, at start-up: every problem is collected with its key path
-(``probes.sentinels[1].dtypes[0]``) and reported together in one ConfigError.
+(``probes.sentinels[1].dtypes[0]``) and, for a file, its line, and reported together in one
+ConfigError. Hostile input (device files, deep nesting, alias bombs, huge integers, NULs,
+duplicate keys) is refused the same way, within bounds of size and time (see "limits").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import ipaddress
 import math
 import os
+import re
+import reprlib
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -213,17 +220,72 @@ class Config:
         return Path(base) / "gemmd"
 
 
+# ---------------------------------------------------------------- limits
+
+# A configuration is a few kilobytes; these bounds only stop hostile or broken input (a
+# device file, an alias bomb, a runaway generator) before it costs time or memory.
+MAX_FILE_BYTES = 1 << 20  # read at most this much of a file
+MAX_DEPTH = 32  # nesting of lists and mappings (gemmd's own schema needs 6)
+MAX_VALUES = 100_000  # values in the document once YAML aliases are expanded
+MAX_INT_CHARS = 100  # characters of an integer literal (Python's int() refuses > 4,300)
+MAX_PARSE_S = 5.0  # wall time for reading the YAML
+MAX_PROBLEMS = 100  # problems reported; the rest are counted
+MAX_SENTINELS = 1000  # sentinel probe configurations per round (each is its own series)
+# NVML's total-energy counter moves in ~100 ms steps (the fake backend simulates the same).
+# A window must span enough steps to resolve a probe's energy: five on real GPUs (step
+# method over >= 0.4 s, window delta within +-20%), two on the simulation (the least that
+# the step method can use). RAPL (cpu) counts in ~1 ms steps: no extra bound.
+ENERGY_STEP_S = 0.1
+MIN_WINDOW_S = {"auto": 5 * ENERGY_STEP_S, "nvidia": 5 * ENERGY_STEP_S,
+                "fake": 2 * ENERGY_STEP_S}
+_HOSTNAME = re.compile(r"(?!-)[\w-]{1,63}(?<!-)(\.(?!-)[\w-]{1,63}(?<!-))*\.?", re.ASCII)
+
 # ---------------------------------------------------------------- validation
 
 
 class _Errors(list):
+    """(key path, message) pairs."""
+
     def add(self, path: str, msg: str) -> None:
-        self.append(f"{path or '<top>'}: {msg}")
+        self.append((path, msg))
+
+
+def _problem(path: str, msg: str, line: int | None = None) -> str:
+    where = f" (line {line})" if line else ""
+    return f"{path or '<top>'}: {msg}{where}"
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlong = 40
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = 6
+_REPR.maxdict = 4
+
+
+def _short(v: Any) -> str:
+    """repr() bounded in length and work: values in messages may be huge or deep."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"<an integer of ~{int(v.bit_length() * math.log10(2)) + 1} digits>"
+    try:
+        return _REPR.repr(v)
+    except (ValueError, RecursionError):  # a huge integer inside a container
+        return f"<a {_typename(v)}>"
+
+
+def _key_text(key: Any) -> str:
+    s = key if isinstance(key, str) else _short(key)
+    return s if len(s) <= 80 else s[:77] + "..."
 
 
 def _typename(v: Any) -> str:
     return {dict: "mapping", list: "list", str: "string", bool: "boolean", int: "integer",
             float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
@@ -239,16 +301,17 @@ def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
             out = _convert(value, alt, meta, path, trial)
             if not trial:
                 return out
-            if isinstance(value, list) and typing.get_origin(alt) is tuple:
-                errs.extend(trial)  # a list was meant: say which item is wrong
+            if (isinstance(value, list) and typing.get_origin(alt) is tuple) or \
+                    (alt in (str, int) and type(value) is alt):
+                errs.extend(trial)  # this alternative was meant: say what is wrong with it
                 return None
         errs.add(path, f"expected {' or '.join(_describe(a) for a in alts)}, got "
-                       f"{_typename(value)} {value!r}")
+                       f"{_typename(value)} {_short(value)}")
         return None
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            errs.add(path, f"expected a list, got {_typename(value)} {value!r}")
+            errs.add(path, f"expected a list, got {_typename(value)} {_short(value)}")
             return None
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(v, args[0], meta, f"{path}[{i}]", errs)
@@ -261,30 +324,45 @@ def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
         return out
     if tp is bool:
         if not isinstance(value, bool):
-            errs.add(path, f"expected true or false, got {_typename(value)} {value!r}")
+            errs.add(path, f"expected true or false, got {_typename(value)} {_short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            errs.add(path, f"expected an integer, got {_typename(value)} {value!r}")
+            errs.add(path, f"expected an integer, got {_typename(value)} {_short(value)}")
             return value
         _check_range(value, meta, path, errs)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            errs.add(path, f"expected a number, got {_typename(value)} {value!r}")
+            errs.add(path, f"expected a number, got {_typename(value)} {_short(value)}")
             return value
-        if not math.isfinite(value):
+        try:
+            as_float = float(value)
+        except OverflowError:  # an integer beyond 1e308: compare it exactly, as an int
+            as_float = None
+        if as_float is not None and not math.isfinite(as_float):
             errs.add(path, f"{value} is not a finite number")
             return value
-        _check_range(float(value), meta, path, errs)
-        return float(value)
+        before = len(errs)
+        _check_range(value if as_float is None else as_float, meta, path, errs)
+        if as_float is None and len(errs) == before:
+            errs.add(path, f"{_short(value)} is out of range")
+        return value if as_float is None else as_float
     if tp is str:
         if not isinstance(value, str):
-            errs.add(path, f"expected a string, got {_typename(value)} {value!r}")
+            errs.add(path, f"expected a string, got {_typename(value)} {_short(value)}")
+            return value
+        if "\0" in value:
+            errs.add(path, f"{_short(value)} contains a NUL character")
+            return value
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # "\ud800" in YAML: no file or host name can hold it
+            errs.add(path, f"{_short(value)} contains a lone surrogate, which is not text")
             return value
         choices = meta.get("choices")
         if choices and value not in choices:
-            errs.add(path, f"{value!r} is not one of {', '.join(choices)}")
+            errs.add(path, f"{_short(value)} is not one of {', '.join(choices)}")
         return value
     raise TypeError(f"unsupported config type {tp!r}")  # programming error
 
@@ -299,24 +377,24 @@ def _describe(tp: Any) -> str:
 def _check_range(v: float, meta: dict, path: str, errs: _Errors) -> None:
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and v < lo:
-        errs.add(path, f"{v} is below the minimum {lo}")
+        errs.add(path, f"{_short(v)} is below the minimum {lo}")
     elif hi is not None and v > hi:
-        errs.add(path, f"{v} is above the maximum {hi}")
+        errs.add(path, f"{_short(v)} is above the maximum {hi}")
 
 
 def _build(cls: type, data: Any, path: str, errs: _Errors) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        errs.add(path, f"expected a mapping, got {_typename(data)} {data!r}")
+        errs.add(path, f"expected a mapping, got {_typename(data)} {_short(data)}")
         return cls()
     before = len(errs)
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
             known = ", ".join(sorted(fields))
-            errs.add(_join(path, str(key)), f"unknown key (known keys: {known})")
+            errs.add(_join(path, _key_text(key)), f"unknown key (known keys: {known})")
     kwargs = {}
     for name, f in fields.items():
         if name in data:
@@ -340,54 +418,452 @@ def _cross_checks(obj: Any, path: str, errs: _Errors) -> None:
             lo, hi = getattr(obj, dim)
             if lo > hi:
                 errs.add(_join(path, dim), f"range [{lo}, {hi}] is empty (min > max)")
-    if isinstance(obj, MeasureConfig) and obj.min_iters > obj.max_iters:
-        errs.add(_join(path, "min_iters"),
-                 f"{obj.min_iters} is greater than max_iters {obj.max_iters}")
+    if isinstance(obj, MeasureConfig):
+        if obj.min_iters > obj.max_iters:
+            errs.add(_join(path, "min_iters"),
+                     f"{obj.min_iters} is greater than max_iters {obj.max_iters}")
+        if obj.timeout_s <= obj.warmup_s + obj.window_s:
+            errs.add(_join(path, "timeout_s"),
+                     f"{obj.timeout_s:g} s is not longer than warmup_s + window_s "
+                     f"({obj.warmup_s + obj.window_s:g} s): every probe would be declared hung")
     if isinstance(obj, (ProbeGroup, ExplorationConfig)):
         for name in ("dtypes", "kernels", "layouts", "tiles"):
             if not getattr(obj, name):
                 errs.add(_join(path, name), "must not be empty")
     if isinstance(obj, ProbeGroup) and not obj.shapes:
         errs.add(_join(path, "shapes"), "must not be empty")
+    if isinstance(obj, ListenConfig):
+        _check_address(obj.address, _join(path, "address"), errs)
     if isinstance(obj, Config):
-        if isinstance(obj.devices, str) and obj.devices != "all":
-            errs.add("devices", f"{obj.devices!r} is not 'all' or a list of indices/UUIDs")
-        budget = obj.budget.duty_cycle * obj.schedule.probe_interval_s
-        one = obj.probes.measure.warmup_s + obj.probes.measure.window_s
-        if budget < one:
-            errs.add("budget.duty_cycle",
-                     f"{obj.budget.duty_cycle} x schedule.probe_interval_s "
-                     f"{obj.schedule.probe_interval_s:g} = {budget:g} s per round, less than one "
-                     f"probe (probes.measure.warmup_s + window_s = {one:g} s)")
-        if obj.backend == "fake" and not obj.fake.devices:
-            errs.add("fake.devices", "backend fake needs at least one device")
+        _check_config(obj, errs)
+
+
+def _check_address(addr: str, path: str, errs: _Errors) -> None:
+    try:
+        ipaddress.ip_address(addr)
+        return
+    except ValueError:
+        pass
+    if len(addr) > 253 or not _HOSTNAME.fullmatch(addr):
+        hint = " (write IPv6 addresses without brackets)" if addr.startswith("[") else ""
+        errs.add(path, f"{_short(addr)} is not an IP address or host name{hint}")
+
+
+def _check_config(cfg: Config, errs: _Errors) -> None:
+    """Checks across sections of the whole configuration."""
+    if isinstance(cfg.devices, str) and cfg.devices != "all":
+        errs.add("devices", f"{_short(cfg.devices)} is not 'all' or a list of indices/UUIDs")
+    elif isinstance(cfg.devices, tuple):
+        if not cfg.devices:
+            errs.add("devices", "an empty list selects no device (use 'all' for every device)")
+        seen: set[int | str] = set()
+        for i, d in enumerate(cfg.devices):
+            if isinstance(d, int) and d < 0:
+                errs.add(f"devices[{i}]", f"{d} is not a device index (0 or more)")
+            elif isinstance(d, str) and not d.strip():
+                errs.add(f"devices[{i}]", "an empty UUID")
+            elif d in seen:
+                errs.add(f"devices[{i}]", f"{_short(d)} is listed twice")
+            seen.add(d)
+    if not cfg.state_dir.strip():
+        errs.add("state_dir", "must not be empty (a directory, or 'auto')")
+    measure = cfg.probes.measure
+    budget = cfg.budget.duty_cycle * cfg.schedule.probe_interval_s
+    one = measure.warmup_s + measure.window_s
+    if budget < one:
+        errs.add("budget.duty_cycle",
+                 f"{cfg.budget.duty_cycle} x schedule.probe_interval_s "
+                 f"{cfg.schedule.probe_interval_s:g} = {budget:g} s per round, less than one "
+                 f"probe (probes.measure.warmup_s + window_s = {one:g} s)")
+    if cfg.backend == "fake" and not cfg.fake.devices:
+        errs.add("fake.devices", "backend fake needs at least one device")
+    least = MIN_WINDOW_S.get(cfg.backend)
+    if least is not None and measure.window_s < least:
+        counter = ("the fake backend simulates NVML's energy counter, which"
+                   if cfg.backend == "fake" else "NVML's energy counter")
+        errs.add("probes.measure.window_s",
+                 f"{measure.window_s:g} s is too short to resolve a probe's energy: {counter} "
+                 f"moves in ~{ENERGY_STEP_S * 1000:.0f} ms steps, so backend {cfg.backend} "
+                 f"needs a window of at least {least:g} s")
+    _check_memory(cfg, errs)
+
+
+def _check_memory(cfg: Config, errs: _Errors) -> None:
+    """Probes that no device can run: their buffers exceed budget.memory_mb."""
+    from gemmd.probes import ProbeSpec  # numpy: imported only once a file is valid so far
+
+    budget = cfg.budget.memory_mb << 20
+
+    def least(m: int, n: int, k: int, dtypes: tuple[str, ...]) -> tuple[int, str]:
+        return min((int(ProbeSpec(m, n, k, d).bytes), d) for d in dtypes)
+
+    total = 0
+    for g, group in enumerate(cfg.probes.sentinels):
+        per_shape = len(group.dtypes) * sum(len(group.layouts) if kern == "blas"
+                                            else len(group.tiles) for kern in set(group.kernels))
+        total += per_shape * len(set(group.shapes))
+        for s, (m, n, k) in enumerate(group.shapes):
+            need, dtype = least(m, n, k, group.dtypes)
+            if need > budget:
+                errs.add(f"probes.sentinels[{g}].shapes[{s}]",
+                         f"{m}x{n}x{k} needs {need / 2**20:,.0f} MiB of buffers even in {dtype}, "
+                         f"over budget.memory_mb {cfg.budget.memory_mb}: no device could run it")
+    if total > MAX_SENTINELS:
+        errs.add("probes.sentinels",
+                 f"{total:,} probe configurations, more than {MAX_SENTINELS:,}: each runs every "
+                 "round and is exported as its own series")
+    for g, group in enumerate(cfg.probes.exploration):
+        need, dtype = least(group.m[0], group.n[0], group.k[0], group.dtypes)
+        if group.per_round and need > budget:
+            errs.add(f"probes.exploration[{g}]",
+                     f"its smallest shape {group.m[0]}x{group.n[0]}x{group.k[0]} needs "
+                     f"{need / 2**20:,.0f} MiB of buffers even in {dtype}, over "
+                     f"budget.memory_mb {cfg.budget.memory_mb}: no draw could run")
+
+
+def _validate(data: Any) -> tuple[Config | None, _Errors]:
+    errs = _Errors()
+    cfg = _build(Config, data, "", errs)
+    return cfg, errs
+
+
+def _error(source: str, errs: _Errors, root: Any = None) -> ConfigError:
+    """One ConfigError for every problem (the first MAX_PROBLEMS, then a count), each with
+    its line when the YAML node graph ``root`` is known."""
+    shown = errs[:MAX_PROBLEMS]
+    lines = _lines(root, [p for p, _ in shown]) if root is not None else {}
+    problems = [_problem(p, m, lines.get(p) if p else None) for p, m in shown]
+    if len(errs) > MAX_PROBLEMS:
+        problems.append(_problem("", f"{len(errs) - MAX_PROBLEMS} more problems not shown"))
+    return ConfigError(source, problems)
 
 
 def parse(data: Any, source: str = "<config>") -> Config:
     """Validate a parsed YAML document. Raises ConfigError listing every problem."""
-    errs = _Errors()
-    cfg = _build(Config, data, "", errs)
+    cfg, errs = _validate(data)
     if errs:
-        raise ConfigError(source, list(errs))
+        raise _error(source, errs)
     return cfg
 
 
-def load(path: str | Path | None) -> Config:
-    """Load a YAML file (None: built-in defaults)."""
-    if path is None:
-        return Config()
-    p = Path(path)
+# ---------------------------------------------------------------- reading YAML
+
+
+class _DocError(Exception):
+    """A problem found while reading the YAML, at a key path and a position."""
+
+    def __init__(self, path: str, msg: str, mark: Any = None, node: Any = None):
+        super().__init__(msg)
+        self.path, self.msg, self.mark, self.node = path, msg, mark, node
+
+
+# libyaml's parser (C) when PyYAML was built with it: 10-50x faster than the pure-Python
+# one. Its own composer is recursive C code that overflows the stack on deep nesting, so
+# gemmd composes the node graph itself from the parser's events (_compose).
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _Constructor:
+    """SafeConstructor's behaviour, minus its tracebacks (a mixin for either parser)."""
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)  # type: ignore[misc]
+        except (yaml.YAMLError, _DocError):
+            raise
+        except Exception as e:  # noqa: BLE001 - each is the input's fault, not gemmd's
+            # PyYAML's constructors let ValueError (a date that does not exist: 2024-13-01),
+            # IndexError (!!int "") or AttributeError (!!timestamp x) through.
+            tag = node.tag.rsplit(":", 1)[-1]
+            what = _short(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
+            raise _DocError("", f"cannot read {what} as a {tag}: {e}", node.start_mark,
+                            node) from e
+
+    def construct_yaml_int(self, node: Any) -> Any:
+        text = str(node.value)
+        if len(text) > MAX_INT_CHARS:
+            raise _DocError("", f"integer of {len(text):,} characters: out of any range",
+                            node.start_mark, node)
+        return super().construct_yaml_int(node)  # type: ignore[misc]
+
+
+class _PyLoader(_Constructor, yaml.SafeLoader):
+    pass
+
+
+_PyLoader.add_constructor("tag:yaml.org,2002:int", _PyLoader.construct_yaml_int)
+if hasattr(yaml, "CSafeLoader"):
+    class _CLoader(_Constructor, yaml.CSafeLoader):  # type: ignore[name-defined]
+        pass
+
+    _CLoader.add_constructor("tag:yaml.org,2002:int", _CLoader.construct_yaml_int)
+    _Loader: type = _CLoader
+else:  # pragma: no cover - PyYAML without libyaml
+    _Loader = _PyLoader
+
+
+class _Frame:
+    __slots__ = ("node", "start", "keys", "key", "merge", "anchored")
+
+    def __init__(self, node: Any, start: int, is_map: bool, anchored: bool):
+        self.node, self.start, self.anchored = node, start, anchored
+        self.keys: dict | None = {} if is_map else None
+        self.key: Any = None
+        self.merge = 0
+
+
+def _path_of(stack: list[_Frame]) -> str:
+    path = ""
+    for f in stack:
+        if f.keys is None:
+            path += f"[{len(f.node.value)}]"
+        elif f.key is not None:
+            key = f.key.value if isinstance(f.key, yaml.ScalarNode) else "?"
+            path = _join(path, _key_text(key))
+    return path
+
+
+def _compose(loader: Any, deadline: float) -> Any:
+    """The document's root node (None for an empty stream), built without recursion.
+
+    Refuses nesting deeper than MAX_DEPTH, more than MAX_VALUES values once aliases are
+    expanded (an alias bomb), recursive aliases, duplicate keys, merge-key chains deeper
+    than MAX_DEPTH and documents that take longer than MAX_PARSE_S to read.
+    """
+    get, resolve = loader.get_event, loader.resolve
+    get()  # StreamStartEvent
+    ev = get()
+    if isinstance(ev, yaml.StreamEndEvent):
+        return None
+    anchors: dict[str, Any] = {}
+    sizes: dict[int, int] = {}  # id(anchored node) -> values it expands to, once complete
+    merges: dict[int, int] = {}  # id(mapping) -> depth of its merge-key (<<) chain
+    stack: list[_Frame] = []
+    root, count, events = None, 0, 0
+    while True:
+        ev = get()
+        events += 1
+        if not events & 1023 and time.monotonic() > deadline:
+            raise _DocError(_path_of(stack), f"reading took longer than {MAX_PARSE_S:g} s",
+                            ev.start_mark)
+        cls = type(ev)
+        if cls is yaml.ScalarEvent:
+            tag = ev.tag
+            if tag is None or tag == "!":
+                tag = resolve(yaml.ScalarNode, ev.value, ev.implicit)
+            node = yaml.ScalarNode(tag, ev.value, ev.start_mark, ev.end_mark, style=ev.style)
+            count += 1
+            if ev.anchor is not None:
+                _anchor(anchors, ev, node, stack)
+                sizes[id(node)] = 1
+        elif cls is yaml.AliasEvent:
+            node = anchors.get(ev.anchor)
+            if node is None:
+                raise _DocError(_path_of(stack), f"undefined alias *{_key_text(ev.anchor)}",
+                                ev.start_mark)
+            size = sizes.get(id(node))
+            if size is None:
+                raise _DocError(_path_of(stack), f"alias *{_key_text(ev.anchor)} refers to "
+                                "a node that contains it (a recursive structure)",
+                                ev.start_mark)
+            count += size
+            if count > MAX_VALUES:
+                raise _DocError(_path_of(stack), f"aliases expand the document beyond "
+                                f"{MAX_VALUES:,} values (an alias bomb?)", ev.start_mark)
+        elif cls is yaml.SequenceStartEvent or cls is yaml.MappingStartEvent:
+            if len(stack) >= MAX_DEPTH:
+                raise _DocError(_path_of(stack), f"nested deeper than {MAX_DEPTH} levels",
+                                ev.start_mark)
+            kind = yaml.SequenceNode if cls is yaml.SequenceStartEvent else yaml.MappingNode
+            tag = ev.tag
+            if tag is None or tag == "!":
+                tag = resolve(kind, None, ev.implicit)
+            node = kind(tag, [], ev.start_mark, None, flow_style=ev.flow_style)
+            if ev.anchor is not None:
+                _anchor(anchors, ev, node, stack)
+            stack.append(_Frame(node, count, kind is yaml.MappingNode, ev.anchor is not None))
+            count += 1
+            continue
+        elif cls is yaml.SequenceEndEvent or cls is yaml.MappingEndEvent:
+            frame = stack.pop()
+            node = frame.node
+            node.end_mark = ev.end_mark
+            if frame.anchored:
+                sizes[id(node)] = count - frame.start
+            if frame.merge:
+                merges[id(node)] = frame.merge
+        elif cls is yaml.DocumentEndEvent:
+            break
+        else:  # pragma: no cover - the parser guarantees the event grammar
+            raise _DocError(_path_of(stack), f"unexpected {cls.__name__}", ev.start_mark)
+        if count > MAX_VALUES:
+            raise _DocError(_path_of(stack), f"more than {MAX_VALUES:,} values: not a "
+                            "configuration file", ev.start_mark)
+        if not stack:
+            root = node
+            continue
+        top = stack[-1]
+        if top.keys is None:
+            top.node.value.append(node)
+        elif top.key is None:
+            top.key = node
+            _check_key(top, node, stack)
+        else:
+            if isinstance(top.key, yaml.ScalarNode) and top.key.tag == _MERGE_TAG:
+                top.merge = max(top.merge, _merge_depth(node, merges, stack))
+            top.node.value.append((top.key, node))
+            top.key = None
+    ev = get()
+    if not isinstance(ev, yaml.StreamEndEvent):
+        raise _DocError("", "a second YAML document in the file (only one is read)",
+                        ev.start_mark)
+    return root
+
+
+def _anchor(anchors: dict, ev: Any, node: Any, stack: list[_Frame]) -> None:
+    if ev.anchor in anchors:
+        first = anchors[ev.anchor].start_mark.line + 1
+        raise _DocError(_path_of(stack), f"anchor &{_key_text(ev.anchor)} defined twice "
+                        f"(first at line {first})", ev.start_mark)
+    anchors[ev.anchor] = node
+
+
+def _check_key(top: _Frame, key: Any, stack: list[_Frame]) -> None:
+    """Refuse a key given twice in one mapping: YAML loaders keep the last silently."""
+    if isinstance(key, yaml.ScalarNode):
+        if key.tag == _MERGE_TAG:
+            return
+        ident: Any = (key.tag, key.value)
+    else:
+        ident = id(key)
+    assert top.keys is not None
+    first = top.keys.get(ident)
+    if first is not None:
+        raise _DocError(_path_of(stack), f"duplicate key (lines {first.start_mark.line + 1} "
+                        f"and {key.start_mark.line + 1}): the second would silently replace "
+                        "the first")
+    top.keys[ident] = key
+
+
+def _merge_depth(value: Any, merges: dict[int, int], stack: list[_Frame]) -> int:
+    """Depth of the merge-key chain a '<<: value' pair adds (PyYAML flattens recursively)."""
+    items = value.value if isinstance(value, yaml.SequenceNode) else [value]
+    depth = 1 + max((merges.get(id(v), 0) for v in items), default=0)
+    if depth > MAX_DEPTH:
+        raise _DocError(_path_of(stack), f"merge keys (<<) chained deeper than {MAX_DEPTH}",
+                        value.start_mark)
+    return depth
+
+
+def _find(root: Any, target: Any) -> str:
+    """The key path of node ``target`` in the node graph ("" if not found)."""
+    todo: list[tuple[Any, str]] = [(root, "")] if root is not None else []
+    seen: set[int] = set()
+    while todo:
+        node, at = todo.pop()
+        if node is target:
+            return at
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            todo.extend((v, f"{at}[{i}]") for i, v in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k is target:
+                    return at
+                key = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                todo.append((v, _join(at, _key_text(key))))
+    return ""
+
+
+def _lines(root: Any, paths: list[str]) -> dict[str, int]:
+    """{key path: line} for those of ``paths`` found in the node graph: one walk along
+    the wanted paths only (a mapping's line is its key's)."""
+    wanted = set(paths)
+    prefixes = {p[:i] for p in wanted for i in range(len(p) + 1)}
+    out: dict[str, int] = {}
+    todo: list[tuple[Any, str, int]] = [(root, "", root.start_mark.line + 1)]
+    while todo:
+        node, at, line = todo.pop()
+        if at in wanted:
+            out.setdefault(at, line)
+        if isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                if (p := f"{at}[{i}]") in prefixes:
+                    todo.append((v, p, v.start_mark.line + 1))
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else "?"
+                if (p := _join(at, _key_text(key))) in prefixes:
+                    todo.append((v, p, k.start_mark.line + 1))
+    return out
+
+
+def _read(path: str | Path) -> tuple[str, str]:
+    """(source name, text) of a configuration file, read within MAX_FILE_BYTES."""
+    source = str(path)
+    if not source:
+        raise ConfigError("''", ["cannot read: the file name is empty"])
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(path, "rb") as f:  # not read_text: /dev/zero would never end
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
-        raise ConfigError(str(p), [f"cannot read: {e.strerror or e}"]) from e
-    except UnicodeDecodeError as e:
-        raise ConfigError(str(p), [f"not UTF-8 text: {e}"]) from e
+        raise ConfigError(source, [f"cannot read: {e.strerror or e}"]) from e
+    except ValueError as e:  # a NUL in the file name
+        raise ConfigError(source, [f"cannot read: {e}"]) from e
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(source, [f"larger than {MAX_FILE_BYTES >> 10} KiB: not a "
+                                   "configuration file"])
     try:
-        data = yaml.safe_load(text)
+        return source, raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(source, [f"not UTF-8 text (line {line}): {e}"]) from e
+
+
+def _read_yaml(text: str, source: str) -> tuple[Any, Any]:
+    """(data, root node) of one YAML document; every failure is a ConfigError."""
+    loader, root = None, None
+    try:
+        loader = _Loader(text)  # the pure-Python reader checks every character here
+        root = _compose(loader, time.monotonic() + MAX_PARSE_S)
+        return (None if root is None else loader.construct_document(root)), root
+    except _DocError as e:
+        path, line = e.path, (e.mark.line + 1 if e.mark is not None else None)
+        if e.node is not None:
+            path = _find(root, e.node)
+        raise ConfigError(source, [_problem(path, e.msg, line)]) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        if mark is not None:
+            where = f"line {mark.line + 1}, column {mark.column + 1}: "
+        elif isinstance(e, yaml.reader.ReaderError):  # position: bytes (libyaml), else chars
+            if _Loader is _PyLoader:
+                line = text[:e.position].count("\n") + 1
+            else:
+                line = text.encode("utf-8", "replace")[:e.position].count(b"\n") + 1
+            where = f"line {line}: "
+        else:
+            where = ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(str(p), [f"{where}invalid YAML: {problem}"]) from e
-    return parse(data, str(p))
+        raise ConfigError(source, [f"{where}invalid YAML: {problem}"]) from e
+    except RecursionError as e:  # a bound above was missed; still no traceback
+        raise ConfigError(source, [f"nested too deeply (limit {MAX_DEPTH})"]) from e
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def load(path: str | Path | None) -> Config:
+    """Load a YAML file (None: built-in defaults). Raises ConfigError for every problem:
+    unreadable or oversized files, invalid YAML, and invalid values, each with its key path
+    and, where known, its line."""
+    if path is None:
+        return Config()
+    source, text = _read(path)
+    data, root = _read_yaml(text, source)
+    cfg, errs = _validate(data)
+    if errs:
+        raise _error(source, errs, root)
+    return cfg

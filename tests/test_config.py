@@ -3,12 +3,14 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from gemmd.config import Config, load, parse
+from gemmd import config
+from gemmd.config import Config, MeasureConfig, load, parse
 from gemmd.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -275,3 +277,304 @@ def test_state_dir_auto_home_fallback(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert Config().resolved_state_dir() == tmp_path / ".local" / "state" / "gemmd"
+
+
+# ------------------------------------------------------------------ hostile input (issue 12)
+# Every case: a ConfigError naming the key path (and line), quickly; never a traceback.
+
+LOADERS = [pytest.param(config._Loader, id="libyaml" if config._Loader is not
+                        config._PyLoader else "python"),
+           pytest.param(config._PyLoader, id="pure-python")]
+
+
+@pytest.fixture(params=LOADERS)
+def loader(request, monkeypatch):
+    """Run a test with libyaml's parser and with the pure-Python one."""
+    monkeypatch.setattr(config, "_Loader", request.param)
+    return request.param
+
+
+def only_problem(tmp_path, text, **kw):
+    problems = problems_of_file(tmp_path, text, **kw)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+def test_libyaml_parser_is_used_when_available():
+    if getattr(yaml, "__with_libyaml__", False):
+        assert issubclass(config._Loader, yaml.CSafeLoader)
+
+
+@pytest.mark.parametrize("depth", [5000, 100_000])  # 100k overflowed libyaml's composer (C)
+@pytest.mark.parametrize("opener, closer, gist_path", [
+    ("[", "]", "probes[0][0][0]"), ("{a: ", "}", "probes.a.a.a"), ("- ", "", "probes[0][0]")])
+def test_deep_nesting_is_refused(tmp_path, loader, depth, opener, closer, gist_path):
+    text = "probes: " + ("\n" if opener == "- " else "") + opener * depth + "1" + closer * depth
+    t0 = time.monotonic()
+    problem = only_problem(tmp_path, text + "\n")
+    assert time.monotonic() - t0 < 5
+    assert problem.startswith(gist_path)
+    assert f"nested deeper than {config.MAX_DEPTH} levels (line " in problem
+
+
+@pytest.mark.parametrize("where", ["top", "value", "list"])
+def test_alias_bomb_is_refused_quickly(tmp_path, loader, where):
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i in range(1, 10):
+        cur, prev = "abcdefghij"[i], "abcdefghij"[i - 1]
+        lines.append(f"{cur}: &{cur} [" + ",".join([f"*{prev}"] * 9) + "]")
+    text = "\n".join(lines) + "\n"  # 9^10 strings once expanded
+    if where == "value":  # was: 15 s and 1.2 GB formatting the error message
+        text = "\n".join(lines) + "\nlisten: {port: *j}\n"
+    elif where == "list":
+        text = "\n".join(lines) + "\nprobes: {sentinels: [{dtypes: *j}]}\n"
+    t0 = time.monotonic()
+    problem = only_problem(tmp_path, text)
+    assert time.monotonic() - t0 < 2
+    assert f"aliases expand the document beyond {config.MAX_VALUES:,} values" in problem
+    assert "(line " in problem
+
+
+def test_recursive_alias_and_merge_chain_are_refused(tmp_path, loader):
+    assert "recursive structure" in only_problem(tmp_path, "a: &a [1, *a]\n")
+    chain = "x0: &x0 {q: 1}\n" + "".join(f"x{i}: &x{i} {{<<: *x{i - 1}}}\n" for i in range(1, 2000))
+    assert "merge keys (<<) chained deeper than" in only_problem(tmp_path, chain)
+
+
+def test_modest_aliases_and_merge_keys_still_work(tmp_path, loader):
+    p = tmp_path / "c.yaml"
+    p.write_text("probes:\n  sentinels:\n    - &g {shapes: [[64, 64, 64]], dtypes: &d [fp32]}\n"
+                 "    - <<: *g\n      kernels: [tiled]\n  exploration:\n    - {dtypes: *d}\n")
+    cfg = load(p)
+    assert cfg.probes.sentinels[1].shapes == ((64, 64, 64),)
+    assert cfg.probes.sentinels[1].kernels == ("tiled",)
+    assert cfg.probes.exploration[0].dtypes == ("fp32",)
+
+
+def test_oversized_file_is_refused_before_parsing(tmp_path):
+    problem = only_problem(tmp_path, "#" * config.MAX_FILE_BYTES + "\n")
+    assert problem.startswith("larger than 1024 KiB")
+
+
+def test_dev_zero_is_refused_with_a_bounded_read():
+    with pytest.raises(ConfigError) as ei:
+        load("/dev/zero")
+    assert ei.value.problems == ["larger than 1024 KiB: not a configuration file"]
+
+
+def test_parse_time_is_capped(tmp_path, loader, monkeypatch):
+    monkeypatch.setattr(config, "MAX_PARSE_S", -1.0)  # the deadline has passed already
+    problem = only_problem(tmp_path, "devices: [" + ", ".join(["0"] * 3000) + "]\n")
+    assert "reading took longer than -1 s" in problem
+
+
+def test_large_file_is_read_quickly(tmp_path, loader):
+    # ~1 MB: 5.5-10 s with the pure-Python parser before; now parsed by libyaml, and the
+    # value cap ends a document this large within a second either way.
+    row = "    - {shapes: [[1024, 1024, 1024]], dtypes: [fp32], kernels: [blas]}\n"
+    text = "probes:\n  sentinels:\n" + row * (1_000_000 // len(row))
+    t0 = time.monotonic()
+    problem = only_problem(tmp_path, text)
+    assert time.monotonic() - t0 < (3 if loader is config._Loader else 10)
+    assert f"more than {config.MAX_VALUES:,} values" in problem
+
+
+def test_a_commented_file_near_the_size_cap_loads(tmp_path, loader):
+    text = SHIPPED.read_text()
+    text += "# padding\n" * ((config.MAX_FILE_BYTES - len(text)) // 10)
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    t0 = time.monotonic()
+    assert load(p) == Config()
+    assert time.monotonic() - t0 < (3 if loader is config._Loader else 15)
+
+
+@pytest.mark.parametrize("text, gist", [
+    ("listen:\n  port: 1\nbackend: cpu\nlisten:\n  port: 2\n",
+     "listen: duplicate key (lines 1 and 4)"),
+    ("listen:\n  port: 1\n  'port': 2\n", "listen.port: duplicate key (lines 2 and 3)"),
+    ("probes:\n  sentinels:\n    - dtypes: [fp32]\n      dtypes: [fp64]\n",
+     "probes.sentinels[0].dtypes: duplicate key (lines 3 and 4)"),
+])
+def test_duplicate_keys_are_refused_naming_both_lines(tmp_path, loader, text, gist):
+    assert only_problem(tmp_path, text).startswith(gist)
+
+
+def test_merge_key_may_override_without_being_a_duplicate(tmp_path, loader):
+    p = tmp_path / "c.yaml"
+    p.write_text("listen:\n  <<: {port: 1, address: 127.0.0.1}\n  port: 2\n")
+    assert load(p).listen.port == 2
+
+
+@pytest.mark.parametrize("digits", [400, 4301, 5000])
+@pytest.mark.parametrize("key", ["listen:\n  port", "budget:\n  duty_cycle"])
+def test_huge_integer_in_a_file(tmp_path, loader, digits, key):
+    problem = only_problem(tmp_path, f"{key}: {'9' * digits}\n")
+    assert f"integer of {digits:,} characters" in problem and "(line 2)" in problem
+    assert len(problem) < 200
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), 10**5000],
+                         ids=["1e400", "-1e400", "1e5000"])
+@pytest.mark.parametrize("section, key", [("budget", "duty_cycle"), ("listen", "port")])
+def test_huge_integer_in_a_mapping(value, section, key):
+    problems = problems_of({section: {key: value}})  # was OverflowError / ValueError
+    assert len(problems) == 1 and problems[0].startswith(f"{section}.{key}: ")
+    assert "maximum" in problems[0] or "minimum" in problems[0]
+    assert len(problems[0]) < 200
+
+
+def test_infinite_float_is_refused(tmp_path):
+    assert "not a finite number" in only_problem(tmp_path, "budget: {duty_cycle: 1.0e+999}\n")
+
+
+@pytest.mark.parametrize("text, path", [
+    ('state_dir: "a\\0b"\n', "state_dir"),
+    ('listen:\n  address: "127.0.0.1\\0"\n', "listen.address"),
+    ('devices: ["GPU-1\\0"]\n', "devices[0]"),
+])
+def test_nul_in_a_string_is_refused(tmp_path, text, path):
+    problem = only_problem(tmp_path, text)
+    assert problem.startswith(f"{path}: ") and "contains a NUL character" in problem
+
+
+def test_lone_surrogate_is_refused(tmp_path, loader):
+    # libyaml refuses "\ud800" as YAML; the pure-Python parser decodes it into a str that
+    # no path or host name can hold (UnicodeEncodeError in mkdir).
+    problems = problems_of_file(tmp_path, 'state_dir: "\\ud800"\n')
+    assert len(problems) == 1
+    assert "lone surrogate" in problems[0] or "invalid Unicode" in problems[0]
+    assert problems_of({"state_dir": "\ud800"})[0].startswith("state_dir: ")
+
+
+@pytest.mark.parametrize("command", [["check-config"], ["run", "--config"]])
+def test_cli_nul_state_dir_is_a_config_error_not_a_traceback(tmp_path, command):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text('state_dir: "a\\0b"\nlisten: {address: "127.0.0.1\\0", port: 0}\n')
+    r = run_cli(*command, str(bad))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2 and all(ln.startswith(f"gemmd: config error: {bad}: ") for ln in lines)
+    assert "state_dir: 'a\\x00b' contains a NUL character (line 1)" in r.stderr
+
+
+@pytest.mark.parametrize("args, gist", [
+    (["check-config", "/dev/zero"], "/dev/zero: larger than 1024 KiB"),
+    (["check-config", ""], "'': cannot read: the file name is empty"),
+    (["run", "--config", ""], "'': cannot read: the file name is empty"),
+])
+def test_cli_unusable_config_file_is_one_line(args, gist):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"gemmd: config error: {gist}"), r.stderr
+
+
+@pytest.mark.parametrize("text", ["a: 2024-13-01\n", "a: !!binary '?'\n", "a: !foo 1\n",
+                                  "a: !!int ''\n", "a: !!timestamp x\n", "a: !!float x\n",
+                                  "a: 1\n---\nb: 2\n", "a: [1\n", "? [a]\n: 1\n", "a: \0\n",
+                                  "a: &x 1\nb: &x 2\n", "a: *nope\n"])
+def test_odd_yaml_is_a_config_error(tmp_path, loader, text):
+    problems_of_file(tmp_path, text)
+
+
+def test_problem_list_is_bounded(tmp_path):
+    problems = problems_of_file(tmp_path, "".join(f"k{i}: 1\n" for i in range(500)))
+    assert len(problems) == config.MAX_PROBLEMS + 1
+    assert problems[-1] == "<top>: 400 more problems not shown"
+
+
+def test_validation_problems_name_their_line(tmp_path):
+    problems = problems_of_file(tmp_path, "listen:\n  port: 1\nprobes:\n  sentinels:\n"
+                                          "    - {dtypes: [fp32, fp31]}\n")
+    assert problems == ["probes.sentinels[0].dtypes[1]: 'fp31' is not one of fp64, fp32, "
+                        "tf32, fp16, bf16, fp8 (line 5)"]
+
+
+# ------------------------------------------------------------------ semantic checks
+
+
+@pytest.mark.parametrize("backend, window, ok", [
+    ("auto", 0.1, False), ("nvidia", 0.49, False), ("nvidia", 0.5, True),
+    ("fake", 0.1, False), ("fake", 0.2, True), ("cpu", 0.1, True)])
+def test_window_must_resolve_the_energy_counter(backend, window, ok):
+    data = {"backend": backend, "probes": {"measure": {"window_s": window}}}
+    if ok:
+        assert parse(data).probes.measure.window_s == window
+        return
+    problems = problems_of(data)
+    assert len(problems) == 1 and problems[0].startswith("probes.measure.window_s: ")
+    assert "100 ms steps" in problems[0] and f"backend {backend}" in problems[0]
+
+
+def test_window_bound_is_for_loaded_configs_only():
+    # Tests and tools build short windows in Python on purpose (simulated time).
+    assert MeasureConfig(window_s=0.1).window_s == 0.1
+    assert parse({}).probes.measure.window_s >= config.MIN_WINDOW_S["auto"]
+
+
+SEMANTIC = [
+    pytest.param({"probes": {"sentinels": [{"shapes": [[1024, 1024, 1024], [1 << 20] * 3],
+                                            "dtypes": ["fp32", "bf16"]}]}},
+                 "probes.sentinels[0].shapes[1]", "even in bf16, over budget.memory_mb 2048",
+                 id="sentinel-over-memory"),
+    pytest.param({"probes": {"exploration": [{"m": [1 << 17] * 2, "n": [1 << 17] * 2,
+                                              "k": [1 << 17] * 2}]}},
+                 "probes.exploration[0]", "no draw could run", id="exploration-over-memory"),
+    pytest.param({"probes": {"sentinels": [{"shapes": [[64, 64, i] for i in range(1, 300)],
+                                            "dtypes": ["fp32", "fp64"],
+                                            "layouts": ["nn", "tt"]}]}},
+                 "probes.sentinels", "1,196 probe configurations, more than 1,000",
+                 id="too-many-sentinels"),
+    pytest.param({"probes": {"measure": {"timeout_s": 2, "window_s": 2}},
+                  "budget": {"duty_cycle": 1}},
+                 "probes.measure.timeout_s", "every probe would be declared hung",
+                 id="timeout-shorter-than-window"),
+    pytest.param({"devices": [0, 0]}, "devices[1]", "listed twice", id="devices-duplicate"),
+    pytest.param({"devices": [-1]}, "devices[0]", "not a device index", id="devices-negative"),
+    pytest.param({"devices": []}, "devices", "selects no device", id="devices-empty"),
+    pytest.param({"state_dir": ""}, "state_dir", "must not be empty", id="state-dir-empty"),
+    pytest.param({"listen": {"address": ""}}, "listen.address", "not an IP address",
+                 id="address-empty"),
+    pytest.param({"listen": {"address": "[::1]"}}, "listen.address", "without brackets",
+                 id="address-brackets"),
+    pytest.param({"listen": {"address": "a" * 64}}, "listen.address", "not an IP address",
+                 id="address-label-too-long"),
+]
+
+
+@pytest.mark.parametrize("data, path, gist", SEMANTIC)
+def test_semantically_wrong_config_is_refused(data, path, gist):
+    problems = problems_of(data)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{path}: ") and gist in problems[0], problems
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "::", "127.0.0.1", "fe80::1%eth0", "localhost",
+                                     "gpu-node-07.example.org", "gemmd_exporter"])
+def test_valid_listen_addresses(address):
+    assert parse({"listen": {"address": address}}).listen.address == address
+
+
+# ------------------------------------------------------------------ regression corpus
+
+CORPUS = REPO / "tests" / "corpus" / "config"
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("*.yaml")), ids=lambda p: p.name)
+def test_corpus(path, loader):
+    """Each file's first line says what it must give: `# expect: OK` or `# expect: TEXT`
+    (a fragment of the one problem reported)."""
+    first = path.read_bytes().split(b"\n", 1)[0].decode()
+    assert first.startswith("# expect: "), path
+    expect = first[len("# expect: "):]
+    t0 = time.monotonic()
+    if expect == "OK":
+        load(path)
+    else:
+        with pytest.raises(ConfigError) as ei:
+            load(path)
+        assert ei.value.source == str(path)
+        assert any(expect in p for p in ei.value.problems), ei.value.problems
+    assert time.monotonic() - t0 < 5
