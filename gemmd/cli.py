@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from gemmd import __version__
-from gemmd.config import DTYPES, KERNELS, LAYOUTS, Config, ProbeGroup, load
+from gemmd.config import Config, ProbeGroup, check, load
 from gemmd.errors import ConfigError, GemmdError, InputError
+from gemmd.gemm import DTYPES, KERNELS, LAYOUTS
 
 logger = logging.getLogger("gemmd")
 
@@ -56,8 +57,14 @@ def _load_config(args: argparse.Namespace) -> Config:
     if getattr(args, "backend", None):
         over["backend"] = args.backend
     if over:
-        cfg = dataclasses.replace(cfg, **over)
+        cfg = _checked(dataclasses.replace(cfg, **over), over)
     return cfg
+
+
+def _checked(cfg: Config, options: dict[str, Any]) -> Config:
+    """A config changed by command-line options, checked by the rules of a file."""
+    return check(cfg, "command line (" + ", ".join(
+        f"{k}={v}" for k, v in options.items()) + ")")
 
 
 # ------------------------------------------------------------------ commands
@@ -71,12 +78,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)  # before importing the daemon: a bad file is one line
+    if args.port is not None:
+        cfg = _checked(dataclasses.replace(cfg, listen=dataclasses.replace(
+            cfg.listen, port=args.port)), {"--port": args.port})
+    setup_logging(args.log_level or cfg.log_level)
     from gemmd.daemon import Daemon
 
-    cfg = _load_config(args)
-    if args.port is not None:
-        cfg = dataclasses.replace(cfg, listen=dataclasses.replace(cfg.listen, port=args.port))
-    setup_logging(args.log_level or cfg.log_level)
     daemon = Daemon(cfg)
     signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop(s))
     signal.signal(signal.SIGINT, lambda s, f: daemon.request_stop(s))
@@ -118,7 +126,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
     cfg = _probe_overrides(args, _load_config(args))
     if args.window is not None:
         measure = dataclasses.replace(cfg.probes.measure, window_s=args.window)
-        cfg = dataclasses.replace(cfg, probes=dataclasses.replace(cfg.probes, measure=measure))
+        cfg = _checked(dataclasses.replace(cfg, probes=dataclasses.replace(
+            cfg.probes, measure=measure)), {"--window": args.window})
     cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule,
                                                                 skip_when_busy=not args.force))
     setup_logging(args.log_level or cfg.log_level)

@@ -25,10 +25,8 @@ from typing import Any
 import yaml
 
 from gemmd.errors import ConfigError
+from gemmd.gemm import DTYPES, KERNELS, LAYOUTS, ProbeSpec
 
-DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8")
-KERNELS = ("blas", "tiled")
-LAYOUTS = ("nn", "nt", "tn", "tt")
 BACKENDS = ("auto", "nvidia", "cpu", "fake")
 
 
@@ -490,12 +488,10 @@ def _check_config(cfg: Config, errs: _Errors) -> None:
 
 def _check_memory(cfg: Config, errs: _Errors) -> None:
     """Probes that no device can run: their buffers exceed budget.memory_mb."""
-    from gemmd.probes import ProbeSpec  # numpy: imported only once a file is valid so far
-
     budget = cfg.budget.memory_mb << 20
 
     def least(m: int, n: int, k: int, dtypes: tuple[str, ...]) -> tuple[int, str]:
-        return min((int(ProbeSpec(m, n, k, d).bytes), d) for d in dtypes)
+        return min((ProbeSpec(m, n, k, d).buffer_bytes, d) for d in dtypes)
 
     total = 0
     for g, group in enumerate(cfg.probes.sentinels):
@@ -544,6 +540,18 @@ def parse(data: Any, source: str = "<config>") -> Config:
     if errs:
         raise _error(source, errs)
     return cfg
+
+
+def check(cfg: Config, source: str) -> Config:
+    """Validate a Config built or changed in code (e.g. by command-line overrides) by the
+    same rules as a file: ranges, choices and cross-checks. Raises ConfigError."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return parse(plain(dataclasses.asdict(cfg)), source)
 
 
 # ---------------------------------------------------------------- reading YAML

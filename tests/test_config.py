@@ -578,3 +578,21 @@ def test_corpus(path, loader):
         assert ei.value.source == str(path)
         assert any(expect in p for p in ei.value.problems), ei.value.problems
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("args, gist", [
+    (["probe", "--backend", "fake", "--window", "0.1"],
+     "command line (--window=0.1): probes.measure.window_s: 0.1 s is too short"),
+    (["probe", "--backend", "fake", "--window", "nan"], "command line (--window=nan)"),
+    (["probe", "--backend", "fake", "--window", "1e12"], "command line (--window=1000000000000.0)"),
+    (["run", "--backend", "fake", "--port", "65536"],
+     "command line (--port=65536): listen.port"),
+    (["run", "--backend", "fake", "--port", "-1000000000000"], "command line (--port="),
+])
+def test_cli_overrides_are_checked_like_the_file(args, gist):
+    """Command-line overrides used to skip the config's ranges (and --port 65536 ended in
+    a traceback): they are checked by the same rules, one line, exit 2."""
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"gemmd: config error: {gist}"), r.stderr
