@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test setup
+.PHONY: run test setup image
 
 $(BIN)/gemmd: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,3 +22,8 @@ test: setup
 	$(BIN)/ruff check gemmd tests bench
 	bash scripts/install-test-deps.sh
 	$(BIN)/python -m pytest -q
+
+# The container image (Dockerfile): needs a Docker daemon and access to the python base image.
+VERSION = $(shell $(PY) -c "import re; print(re.search(r'__version__ = \"(.+)\"', open('gemmd/__init__.py').read()).group(1))")
+image:
+	docker build -t gemmd:$(VERSION) .

@@ -209,7 +209,7 @@ def test_real_cupy_without_a_gpu_is_a_one_line_device_error():
 
 def test_the_cuda_extras_bring_cublas_with_cupy():
     try:
-        reqs = metadata.requires("gemmd") or []
+        reqs = metadata.requires("gemmd-gpu") or []
     except metadata.PackageNotFoundError:  # a bare checkout on the GPU machine
         import tomllib
 

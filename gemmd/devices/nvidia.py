@@ -234,7 +234,7 @@ class NvidiaDevice(Device):
                 import cupy
             except ImportError as e:
                 raise DeviceUnavailable(
-                    "CuPy is not installed (pip install 'gemmd[cuda12]')") from e
+                    "CuPy is not installed (pip install 'gemmd-gpu[cuda12]')") from e
         self.cp = cupy
         self.record = record
         self.nvml = nvml or Nvml()

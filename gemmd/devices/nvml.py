@@ -90,7 +90,7 @@ class Nvml:
                 import pynvml as module  # type: ignore[no-redef]
             except ImportError as e:
                 raise DeviceUnavailable(
-                    "pynvml is not installed (pip install 'gemmd[cuda12]')") from e
+                    "pynvml is not installed (pip install 'gemmd-gpu[cuda12]')") from e
         self.nv = module
         try:
             self.nv.nvmlInit()
