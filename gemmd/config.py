@@ -118,6 +118,11 @@ class ScheduleConfig:
     refit_interval_s: float = _f(3600.0, min=10.0, max=30 * 86400.0)
     # Skip a round when other processes use the device (do no harm).
     skip_when_busy: bool = _f(True)
+    # A GPU counts as busy when its utilization (over NVML's last sample period) reaches
+    # this fraction, or when other processes hold this much of its memory. The memory
+    # signal sees other containers' work, which NVML's process list does not.
+    busy_utilization: float = _f(0.10, min=0.01, max=1.0)
+    busy_memory_mb: int = _f(256, min=0, max=1 << 30)  # 0: memory is not a signal
     # Consecutive failed rounds before a device is marked down; retried with backoff.
     max_failures: int = _f(3, min=1, max=1000)
     max_backoff_s: float = _f(3600.0, min=1.0, max=86400.0)
@@ -173,6 +178,9 @@ class FakeDeviceConfig:
     fail_on_call: int = _f(0, min=0, max=1 << 40)  # 0 = never
     # From this call on, a sticky CUDA error (illegal address): the context is unusable.
     fault_on_call: int = _f(0, min=0, max=1 << 40)
+    # Other work the busy check should see: utilization (0..1) and memory held by others.
+    other_utilization: float = _f(0.0, min=0.0, max=1.0)
+    other_memory_mb: int = _f(0, min=0, max=1 << 30)
     hang_on_call: int = _f(0, min=0, max=1 << 40)
     busy: bool = _f(False)
 

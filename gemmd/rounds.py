@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 
 from gemmd.config import Config
-from gemmd.devices.base import Device
+from gemmd.devices.base import BusyLimits, Device
 from gemmd.drift import measured_of, predicted_of
 from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
+from gemmd.gemm import ProbeSpec
 from gemmd.model import Prediction
-from gemmd.probes import Measurement, ProbeSpec, as_row, build_plan, exploration_specs
+from gemmd.probes import Measurement, as_row, build_plan, exploration_specs
 from gemmd.registry import ModelRegistry
 from gemmd.state import ProbeState, State
 from gemmd.store import Store
@@ -98,7 +99,10 @@ class DeviceRunner:
             self._skip_all("device_down", len(self.plan))
             return []
         try:
-            busy = self.device.busy_reason() if self.cfg.schedule.skip_when_busy else None
+            sched = self.cfg.schedule
+            busy = self.device.busy_reason(BusyLimits(
+                sched.busy_utilization, sched.busy_memory_mb << 20)) \
+                if sched.skip_when_busy else None
         except DeviceError as e:
             self._round_failed(str(e))
             return [Result(self.plan[0], "sentinel", "failed", error=str(e))] if self.plan else []

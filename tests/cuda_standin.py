@@ -580,7 +580,21 @@ class FakePynvml:
         return self._g(handle).get("cc", (9, 0))
 
     def nvmlDeviceGetMemoryInfo(self, handle, version=None):
-        return SimpleNamespace(total=80 << 30)
+        used = handle.get("mem_used", 0)
+        if version == pynvml.nvmlMemory_v2:  # used excludes what the driver reserves
+            return SimpleNamespace(version=version, total=80 << 30, reserved=512 << 20,
+                                   free=(80 << 30) - used - (512 << 20), used=used)
+        return SimpleNamespace(total=80 << 30, free=(80 << 30) - used - (512 << 20),
+                               used=used + (512 << 20))
+
+    def nvmlSystemGetDriverVersion(self):
+        return "580.95.05"
+
+    def nvmlSystemGetCudaDriverVersion_v2(self):
+        return 13000
+
+    def nvmlDeviceGetVbiosVersion(self, handle):
+        return "96.00.99.00.01"
 
     def nvmlDeviceGetUUID(self, handle):
         return handle["uuid"]
@@ -629,7 +643,9 @@ class FakePynvml:
         return handle.get("reasons", 0)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
-        return [SimpleNamespace(pid=p) for p in handle.get("pids", [])]
+        return [SimpleNamespace(pid=p, usedGpuMemory=m)
+                for p, m in handle.get("procs", {p: None for p in handle.get("pids", [])}
+                                       ).items()]
 
     def nvmlDeviceGetUtilizationRates(self, handle):
         return SimpleNamespace(gpu=handle.get("util", 0), memory=0)

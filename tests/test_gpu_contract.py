@@ -422,3 +422,29 @@ def test_gemmd_probe_runs_without_apscheduler_and_runs_the_whole_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = r.stdout.strip().splitlines()[1:]
     assert len(rows) == 5 * 2 * 4 and all(",ok," in row for row in rows), r.stdout[-2000:]
+
+
+def test_discovery_records_the_driver_cuda_and_vbios_versions():
+    rec = Nvml(FakePynvml(_gpus())).discover()[0]
+    assert (rec.driver_version, rec.cuda_driver_version, rec.vbios_version) == \
+        ("580.95.05", "13.0", "96.00.99.00.01")
+
+
+def test_memory_held_by_others_sees_what_the_process_list_cannot(gpu):
+    import os
+
+    from gemmd.devices.base import BusyLimits
+
+    me = os.getpid()
+    # Our own context (600 MiB) is not someone else's work; 2 GiB more is, even though no
+    # other process is listed (another container: NVML lists our PID namespace only).
+    dev = _device(gpu, procs={me: 600 << 20}, mem_used=(600 << 20) + (2 << 30))
+    assert dev.nvml.memory_used_by_others(dev.h) == 2 << 30
+    assert dev.busy_reason(BusyLimits(memory_bytes=256 << 20)) == "other_memory"
+    assert dev.busy_reason(BusyLimits(memory_bytes=4 << 30)) is None
+    assert dev.busy_reason(BusyLimits(memory_bytes=0)) is None  # 0: not a signal
+    idle = _device(Gpu(), procs={me: 600 << 20}, mem_used=600 << 20)
+    assert idle.busy_reason(BusyLimits()) is None
+    assert _device(Gpu(), util=35).busy_reason(BusyLimits(utilization=0.3)) == "utilization"
+    assert _device(Gpu(), util=35).busy_reason(BusyLimits(utilization=0.5)) is None
+    assert _device(Gpu(), pids=[4242]).busy_reason() == "other_processes"

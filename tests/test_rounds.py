@@ -202,3 +202,23 @@ def test_a_round_does_not_restart_a_worker_it_saw_killed(tmp_path):
         dev.close()
         store.close()
     assert dev.restarts == 0  # nor does shutting down
+
+
+@pytest.mark.parametrize("fake, sched, reason", [
+    ({"other_utilization": 0.5}, {}, "utilization"),
+    ({"other_utilization": 0.5}, {"busy_utilization": 0.6}, None),
+    ({"other_memory_mb": 1024}, {}, "other_memory"),
+    ({"other_memory_mb": 1024}, {"busy_memory_mb": 0}, None),
+    ({"other_memory_mb": 1024}, {"busy_memory_mb": 2048}, None),
+])
+def test_each_busy_signal_skips_the_round_at_its_configured_threshold(env, fake, sched, reason):
+    make, _, state = env
+    cfg = _cfg()
+    cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, **sched))
+    runner, dev = make(FakeDeviceConfig(**fake), cfg=cfg)
+    results = runner.run_round()
+    skipped = state.devices[dev.info.uuid].skipped_total
+    if reason:
+        assert results == [] and skipped[reason] == 4
+    else:
+        assert len(results) == 6 and not any(skipped.values())

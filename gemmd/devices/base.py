@@ -33,6 +33,14 @@ class DeviceInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class BusyLimits:
+    """When probing would disturb other work on a device (schedule.busy_* in the config)."""
+
+    utilization: float = 0.10  # the device's utilization over the last sample period
+    memory_bytes: int = 256 << 20  # device memory held by other processes
+
+
 @dataclass
 class Run:
     """What one back-to-back run of a GEMM observed, on the device's clock().
@@ -117,8 +125,9 @@ class Device(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def busy_reason(self) -> str | None:
-        """Why probing now would disturb other work (e.g. "other_processes"), or None."""
+    def busy_reason(self, limits: BusyLimits | None = None) -> str | None:
+        """Why probing now would disturb other work ("other_processes", "utilization",
+        "other_memory", "host_busy"), or None."""
 
     def prepare(self, spec: ProbeSpec) -> None:
         """Allocate (or reuse) random input buffers for ``spec`` within the memory budget;

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import BufferCache, Device, DeviceInfo
+from gemmd.devices.base import BufferCache, BusyLimits, Device, DeviceInfo
 from gemmd.errors import DeviceError
 from gemmd.gemm import ProbeSpec
 from gemmd.probes import check_result
@@ -173,7 +173,7 @@ class CpuDevice(Device):
             return f"{spec.dtype} has no BLAS on the CPU (fp32, fp64 only)"
         return None
 
-    def busy_reason(self) -> str | None:
+    def busy_reason(self, limits: BusyLimits | None = None) -> str | None:
         """"host_busy" when other processes used over half of all cores in the last 0.3 s.
 
         Measured, not the load average: that lags by minutes and counts our own probes.

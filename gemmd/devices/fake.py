@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from gemmd.config import FakeDeviceConfig
-from gemmd.devices.base import Device, DeviceInfo, Run
+from gemmd.devices.base import BusyLimits, Device, DeviceInfo, Run
 from gemmd.errors import DeviceError, DeviceFault
 from gemmd.gemm import DTYPE_BYTES, ProbeSpec
 
@@ -151,8 +151,16 @@ class FakeDevice(Device):
             return f"{self.model.name} has no {spec.dtype} support"
         return None
 
-    def busy_reason(self) -> str | None:
-        return "other_processes" if self.cfg.busy else None
+    def busy_reason(self, limits: BusyLimits | None = None) -> str | None:
+        limits = limits or BusyLimits()
+        if self.cfg.busy:
+            return "other_processes"
+        if self.cfg.other_utilization and self.cfg.other_utilization >= limits.utilization:
+            return "utilization"
+        if self.cfg.other_memory_mb and limits.memory_bytes and \
+                self.cfg.other_memory_mb << 20 >= limits.memory_bytes:
+            return "other_memory"
+        return None
 
     def _allocate(self, spec: ProbeSpec) -> None:
         pass  # simulated: no buffers

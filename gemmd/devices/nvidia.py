@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import BufferCache, Device, DeviceInfo, Run
+from gemmd.devices.base import BufferCache, BusyLimits, Device, DeviceInfo, Run
 from gemmd.devices.cublas import (
     COMPUTE,
     CUDA_R,
@@ -264,6 +264,9 @@ class NvidiaDevice(Device):
             mem_bandwidth=bandwidth(record.mem_bus_width_bits, record.max_mem_clock_hz),
             sm_count=sm, memory_bytes=record.memory_bytes, power_limit_w=record.power_limit_w,
             extra={"pci_bus_id": record.pci_bus_id, "cuda_ordinal": ordinal,
+                   "driver_version": record.driver_version,
+                   "cuda_driver_version": record.cuda_driver_version,
+                   "vbios_version": record.vbios_version,
                    "compute_capability": "{}.{}".format(*record.compute_capability),
                    "record": asdict(record)})
         self.memory_budget = memory_budget
@@ -306,14 +309,22 @@ class NvidiaDevice(Device):
     def _unsupported(self, spec: ProbeSpec) -> str | None:
         return unsupported(spec, self.record.compute_capability)
 
-    def busy_reason(self) -> str | None:
+    def busy_reason(self, limits: BusyLimits | None = None) -> str | None:
+        """Other work on the GPU: compute processes NVML shows (only those of our PID
+        namespace: in a container without hostPID, other pods' are invisible), then the
+        GPU's utilization and the memory others hold, which NVML counts for everyone."""
+        limits = limits or BusyLimits()
         with self.nvml.errors(f"GPU {self.record.index}"):
-            others = self.nvml.other_processes(self.h)
-            if others:
+            if self.nvml.other_processes(self.h):
                 return "other_processes"
             util = self.nvml.utilization(self.h)
-        # Utilization is sampled over the last second or so, after our own last round.
-        return "utilization" if util is not None and util >= 0.10 else None
+            # Sampled over the last second or so, after our own last round.
+            if util is not None and util >= limits.utilization:
+                return "utilization"
+            others = self.nvml.memory_used_by_others(self.h)
+        if others is not None and limits.memory_bytes and others >= limits.memory_bytes:
+            return "other_memory"
+        return None
 
     def _key(self, spec: ProbeSpec) -> tuple:
         return (spec.m, spec.n, spec.k, spec.dtype, spec.kernel, spec.layout)

@@ -79,6 +79,10 @@ class GpuRecord:
     mem_bus_width_bits: int | None = None
     mig_enabled: bool = False
     mig_instances: list[str] = field(default_factory=list)  # MIG UUIDs
+    # What the runbook suspects first when a GPU drifts: a driver or firmware change.
+    driver_version: str = ""
+    cuda_driver_version: str = ""  # e.g. "13.0"
+    vbios_version: str = ""
 
 
 class Nvml:
@@ -120,6 +124,8 @@ class Nvml:
         out = []
         with self.errors("NVML discovery"):
             count = nv.nvmlDeviceGetCount()
+        driver = self._optional(nv.nvmlSystemGetDriverVersion)
+        cuda = self._optional(nv.nvmlSystemGetCudaDriverVersion_v2)  # 13000 -> "13.0"
         for i in range(count):
             with self.errors(f"GPU {i}"):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
@@ -133,6 +139,7 @@ class Nvml:
             max_sm = self._optional(nv.nvmlDeviceGetMaxClockInfo, h, _CLOCK_SM)
             max_mem = self._optional(nv.nvmlDeviceGetMaxClockInfo, h, _CLOCK_MEM)
             width = self._optional(nv.nvmlDeviceGetMemoryBusWidth, h)
+            vbios = self._optional(nv.nvmlDeviceGetVbiosVersion, h)
             mig = self._optional(nv.nvmlDeviceGetMigMode, h)
             mig_on = bool(mig and mig[0])
             instances = self._mig_instances(h) if mig_on else []
@@ -143,7 +150,10 @@ class Nvml:
                 max_sm_clock_hz=max_sm * 1e6 if max_sm else None,
                 max_mem_clock_hz=max_mem * 1e6 if max_mem else None,
                 mem_bus_width_bits=int(width) if width else None,
-                mig_enabled=mig_on, mig_instances=instances))
+                mig_enabled=mig_on, mig_instances=instances,
+                driver_version=_s(driver) if driver else "",
+                cuda_driver_version=f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else "",
+                vbios_version=_s(vbios) if vbios else ""))
         return out
 
     def _mig_instances(self, h: Any) -> list[str]:
@@ -203,6 +213,26 @@ class Nvml:
         own = {os.getpid(), *own_pids}
         procs = self._optional(self.nv.nvmlDeviceGetComputeRunningProcesses, h) or []
         return sorted({p.pid for p in procs} - own)
+
+    def memory_used_by_others(self, h: Any, own_pids: Sequence[int] = ()) -> int | None:
+        """Device memory in use minus what this process (and ``own_pids``) holds, bytes.
+
+        Unlike the process list, this sees work in other PID namespaces (other containers):
+        NVML lists only the processes of the caller's namespace, but counts all memory.
+        Memory the driver reserves is left out where NVML tells it apart (v2 query).
+        """
+        nv = self.nv
+        info = None
+        if hasattr(nv, "nvmlMemory_v2"):
+            info = self._optional(nv.nvmlDeviceGetMemoryInfo, h, nv.nvmlMemory_v2)
+        if info is None:
+            info = self._optional(nv.nvmlDeviceGetMemoryInfo, h)
+        if info is None:
+            return None
+        own = {os.getpid(), *own_pids}
+        procs = self._optional(nv.nvmlDeviceGetComputeRunningProcesses, h) or []
+        mine = sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in own)
+        return max(0, int(info.used) - mine)
 
     def utilization(self, h: Any) -> float | None:
         u = self._optional(self.nv.nvmlDeviceGetUtilizationRates, h)

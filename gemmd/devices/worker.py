@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gemmd.config import MeasureConfig
-from gemmd.devices.base import Device, DeviceInfo, Run
+from gemmd.devices.base import BusyLimits, Device, DeviceInfo, Run
 from gemmd.errors import (
     DeviceError,
     DeviceFault,
@@ -213,8 +213,8 @@ class WorkerDevice(Device):
     def unsupported_reason(self, spec: ProbeSpec) -> str | None:
         return self._call("unsupported_reason", spec)
 
-    def busy_reason(self) -> str | None:
-        return self._call("busy_reason")
+    def busy_reason(self, limits: BusyLimits | None = None) -> str | None:
+        return self._call("busy_reason", limits)
 
     def context(self) -> dict[str, Any]:
         return self._call("context")
