@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gemmd import __version__
-from gemmd.config import Config, ProbeGroup, check, load
+from gemmd.config import Config, ProbeGroup, budget_warnings, check, load
 from gemmd.errors import ConfigError, GemmdError, InputError
 from gemmd.gemm import DTYPES, KERNELS, LAYOUTS
 
@@ -72,7 +72,9 @@ def _checked(cfg: Config, options: dict[str, Any]) -> Config:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     path = args.file if args.file is not None else args.config  # '' is a (bad) file name
-    load(path)
+    cfg = load(path)
+    for w in budget_warnings(cfg):
+        print(f"gemmd: warning: {w}", file=sys.stderr)
     print(f"{path or '<built-in defaults>'}: OK")
     return 0
 

@@ -550,6 +550,29 @@ def parse(data: Any, source: str = "<config>") -> Config:
     return cfg
 
 
+def budget_warnings(cfg: Config) -> list[str]:
+    """What the duty-cycle budget does to the plan, when it cannot run a whole round: an
+    estimate from the window settings (a probe takes at least warmup_s + window_s)."""
+    backend = "nvidia" if cfg.backend == "auto" else cfg.backend
+    applies = [g for g in cfg.probes.sentinels if not g.backends or backend in g.backends]
+    sentinels = sum(len(g.shapes) * len(g.dtypes) * sum(
+        len(g.tiles) if k == "tiled" else len(g.layouts) for k in g.kernels) for g in applies)
+    explore = sum(e.per_round for e in cfg.probes.exploration
+                  if not e.backends or backend in e.backends)
+    total = sentinels + explore
+    per_probe = cfg.probes.measure.warmup_s + cfg.probes.measure.window_s
+    budget = cfg.budget.duty_cycle * cfg.schedule.probe_interval_s
+    fit = max(1, int(budget // per_probe))
+    if total <= fit:
+        return []
+    rounds = -(-total // fit)
+    return [f"budget: {cfg.budget.duty_cycle:g} x {cfg.schedule.probe_interval_s:g} s = "
+            f"{budget:g} s a round fits about {fit} of the {total} probes of a {backend} "
+            f"round ({sentinels} sentinels + {explore} exploration, each at least "
+            f"warmup_s + window_s = {per_probe:g} s): rounds take turns, so each probe runs "
+            f"about every {rounds} rounds ({rounds * cfg.schedule.probe_interval_s:g} s)"]
+
+
 def check(cfg: Config, source: str) -> Config:
     """Validate a Config built or changed in code (e.g. by command-line overrides) by the
     same rules as a file: ranges, choices and cross-checks. Raises ConfigError."""

@@ -71,6 +71,7 @@ class DeviceRunner:
         self._rng = np.random.default_rng()
         self._checks: Counter = Counter()
         self._round_lock = threading.Lock()
+        self._offset = 0  # where the next round starts in its cycle of probes
 
     @property
     def _ds(self):
@@ -110,12 +111,11 @@ class DeviceRunner:
             logger.info("GPU %s: skipping round: %s", info.index, busy)
             self._skip_all(busy, len(self.plan))
             return []
-        todo = [(s, "sentinel") for s in self.plan]
-        todo += [(s, "exploration") for s in
-                 exploration_specs(self.cfg.probes.exploration, self.device, self._rng)]
+        todo = self._order(exploration_specs(self.cfg.probes.exploration, self.device,
+                                             self._rng))
         budget = self.budget_s if self.budget_s is not None else \
             self.cfg.budget.duty_cycle * self.cfg.schedule.probe_interval_s
-        used, results, failed = 0.0, [], ""
+        used, results, failed, started = 0.0, [], "", 0
         for i, (spec, kind) in enumerate(todo):
             if self.cancel.is_set():
                 break
@@ -123,6 +123,7 @@ class DeviceRunner:
                 self._skip_all("duty_cycle", 1)
                 results.append(Result(spec, kind, "skipped", error="duty_cycle"))
                 continue
+            started += 1
             check = bool(mcfg.check_every) and self._checks[spec] % mcfg.check_every == 0
             # The parent's clock: asking a worker-process device for its clock would restart
             # a worker that was just killed for hanging.
@@ -153,6 +154,10 @@ class DeviceRunner:
                     ds.probe_seconds_total += spent
             self._checks[spec] += 1
             results.append(self._record(spec, kind, m))
+        if len(todo) > started and not failed:
+            # The budget cut this round short: the next one starts where this one stopped,
+            # so every probe runs within a bounded number of rounds (exploration included).
+            self._offset = (self._offset + started) % max(1, len(todo))
         with self.state.lock:
             ds.last_round_ts = time.time()
         if failed:
@@ -163,6 +168,15 @@ class DeviceRunner:
                     logger.warning("GPU %s is back up", info.index)
                 ds.up, ds.down_reason, ds.consecutive_failures = True, "", 0
         return results
+
+    def _order(self, explore: list[ProbeSpec]) -> list[tuple[ProbeSpec, str]]:
+        """This round's probes: the sentinels, then this round's exploration draws, as one
+        cycle started at ``_offset``. The offset moves only when a round is cut short by
+        the duty-cycle budget; while everything fits, the order (and so each probe's
+        thermal history within a round) stays the same."""
+        cycle = [(s, "sentinel") for s in self.plan] + [(s, "exploration") for s in explore]
+        k = self._offset % len(cycle) if cycle else 0
+        return cycle[k:] + cycle[:k]
 
     def _round_failed(self, error: str) -> None:
         cfg = self.cfg.schedule

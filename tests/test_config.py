@@ -596,3 +596,15 @@ def test_cli_overrides_are_checked_like_the_file(args, gist):
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.splitlines()) == 1, r.stderr
     assert r.stderr.startswith(f"gemmd: config error: {gist}"), r.stderr
+
+
+def test_check_config_warns_when_the_budget_cannot_run_a_whole_round(tmp_path):
+    tight = tmp_path / "tight.yaml"
+    tight.write_text("schedule: {probe_interval_s: 5}\nbudget: {duty_cycle: 0.5}\n")
+    r = run_cli("check-config", str(tight))
+    assert r.returncode == 0 and r.stdout.strip().endswith(": OK")
+    assert r.stderr.startswith("gemmd: warning: budget: 0.5 x 5 s = 2.5 s a round fits "
+                               "about 2 of the 7 probes"), r.stderr
+    assert "each probe runs about every 4 rounds" in r.stderr
+    r = run_cli("check-config", str(REPO / "gemmd.yaml"))
+    assert r.returncode == 0 and r.stderr == ""

@@ -222,3 +222,21 @@ def test_each_busy_signal_skips_the_round_at_its_configured_threshold(env, fake,
         assert results == [] and skipped[reason] == 4
     else:
         assert len(results) == 6 and not any(skipped.values())
+
+
+def test_a_tight_budget_rotates_so_every_probe_runs_within_a_few_rounds(env):
+    """Skipping by position always skipped the same probes (exploration last): with room
+    for ~2 of 6 probes a round, 2 sentinels ran forever and the rest never."""
+    make, _, state = env
+    cfg = _cfg()
+    cfg = dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, duty_cycle=0.025))
+    runner, dev = make(cfg=cfg)
+    ran: list = []
+    for _ in range(6):
+        ran += [(r.kind, r.spec) for r in runner.run_round() if r.outcome == "ok"]
+    assert {s for k, s in ran if k == "sentinel"} == set(runner.plan)
+    assert sum(k == "exploration" for k, _ in ran) >= 2
+    # While everything fits, the order stays put (no rotation, no extra thermal noise).
+    full, _ = make(index=1)
+    first = [r.spec for r in full.run_round() if r.kind == "sentinel"]
+    assert [r.spec for r in full.run_round() if r.kind == "sentinel"] == first
