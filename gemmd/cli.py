@@ -378,16 +378,28 @@ def int_range(what: str, lo: int, hi: int):
 _tile = int_range("tile", 1, 32)
 
 
+def _common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    def default(v: Any) -> Any:
+        return v if defaults else argparse.SUPPRESS
+    parser.add_argument("-c", "--config", default=default(_default_config()),
+                        help="configuration file (default: $GEMMD_CONFIG, "
+                             "/etc/gemmd/gemmd.yaml, else built-in defaults)")
+    parser.add_argument("--state-dir", type=Path, default=default(None),
+                        help="override state_dir")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        default=default(None))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gemmd", description="GEMM probes on every GPU, measured vs predicted, "
                                           "as Prometheus metrics.")
     p.add_argument("--version", action="version", version=f"gemmd {__version__}")
+    # The common options work before the command (gemmd --state-dir X status) and after it
+    # (gemmd status --state-dir X); after it wins. The copy on each command has no default,
+    # so that not repeating an option there keeps what was given before the command.
+    _common_options(p, defaults=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-c", "--config", default=_default_config(),
-                        help="configuration file (default: $GEMMD_CONFIG, "
-                             "/etc/gemmd/gemmd.yaml, else built-in defaults)")
-    common.add_argument("--state-dir", type=Path, help="override state_dir")
-    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    _common_options(common, defaults=False)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     r = sub.add_parser("run", parents=[common], help="run the daemon")

@@ -608,3 +608,15 @@ def test_check_config_warns_when_the_budget_cannot_run_a_whole_round(tmp_path):
     assert "each probe runs about every 4 rounds" in r.stderr
     r = run_cli("check-config", str(REPO / "gemmd.yaml"))
     assert r.returncode == 0 and r.stderr == ""
+
+
+def test_common_options_work_before_and_after_the_command(tmp_path):
+    before = run_cli("--state-dir", str(tmp_path), "status")
+    after = run_cli("status", "--state-dir", str(tmp_path))
+    assert before.returncode == after.returncode == 1
+    assert before.stderr == after.stderr and str(tmp_path / "gemmd.db") in before.stderr
+    # After the command wins; a bad --config before it is still read when not overridden.
+    r = run_cli("--state-dir", "/nonexistent", "status", "--state-dir", str(tmp_path))
+    assert str(tmp_path / "gemmd.db") in r.stderr
+    r = run_cli("--config", str(tmp_path / "missing.yaml"), "check-config")
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
