@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,31 @@ def _dataset(args: argparse.Namespace):
                                  [f"store:{s}" for s in sources])
 
 
+def _nonempty(what: str):
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{what} must not be empty")
+        return text
+    parse.__name__ = what
+    return parse
+
+
+def _model_out(text: str) -> Path:
+    """--out of fit: a new or regular file in an existing, writable directory (checked
+    before a fit of minutes, not after; never a device node such as /dev/full)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--out must not be empty")
+    path = Path(text)
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"--out {text}: exists and is not a regular file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"--out {text}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"--out {text}: {parent} is not writable")
+    return path
+
+
 def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="*", metavar="FILE", help="measurement files (default: "
                    "the store, see --source)")
@@ -110,7 +136,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    "(rtx4070, b200, h100-sxm, mi355x)")
     p.add_argument("--source", action="append", default=[], metavar="NAME",
                    help="store source to use (repeatable; default: daemon)")
-    p.add_argument("--jobs", type=int, default=1, help="CPU cores for fitting (default 1)")
+    p.add_argument("--jobs", type=int_range("--jobs", 1, max(1, os.cpu_count() or 1) * 4),
+                   default=1, help="CPU cores for fitting (default 1)")
 
 
 def _pct(v: float | None) -> str:
@@ -158,7 +185,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if args.out:
-        sha = model.save(args.out)
+        try:
+            sha = model.save(args.out)
+        except OSError as e:
+            raise InputError(f"--out {args.out}: cannot write the model: "
+                             f"{e.strerror or e}") from e
         where = f"{args.out} (sha256 {sha[:12]})"
     else:
         from gemmd.registry import ModelRegistry
@@ -396,7 +427,7 @@ def _advice(row: dict[str, Any], rt, pw, en, i: int) -> dict[str, Any]:
 def cmd_import(args: argparse.Namespace) -> int:
     from gemmd import datasets, importer
 
-    name = importer.check_source_name(args.name) if args.name else None
+    name = importer.check_source_name(args.name) if args.name is not None else None
     ds = datasets.load(args.format, args.files, gpu=args.gpu)
     source = name or ds.name.replace("+", "_")
     _, store = _store(args, must_exist=False)
@@ -444,7 +475,8 @@ def _gemm_args(p: argparse.ArgumentParser, dtype_required: bool) -> None:
     p.add_argument("--model", type=Path, help="model file (default: the store's active model)")
     p.add_argument("--gpu", help="a GPU from the datasheet table (rtx4070, b200, h100-sxm, "
                                  "mi355x)")
-    p.add_argument("--device", help="a device of the model or the store (uuid prefix or index)")
+    p.add_argument("--device", type=_nonempty("--device"),
+                   help="a device of the model or the store (uuid prefix or index)")
     p.add_argument("--json", action="store_true")
 
 
@@ -452,8 +484,8 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     """Register the model's subcommands on the main parser."""
     f = sub.add_parser("fit", parents=[common], help="fit the model on files or the store")
     _data_args(f)
-    f.add_argument("--out", type=Path, help="write the model to this file (default: register "
-                                            "it in the store)")
+    f.add_argument("--out", type=_model_out, help="write the model to this file (default: "
+                                                  "register it in the store)")
     f.set_defaults(func=cmd_fit, _parser=f)
 
     e = sub.add_parser("evaluate", parents=[common],

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import re
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,13 +95,22 @@ class Dataset:
 _MISSING = ("", "[N/A]", "N/A", "NA", "nan", "NaN", "-")
 
 
+def _open_text(path: str | Path):
+    """Open a measurement file: a regular file (not a device, FIFO or directory, which
+    could be read forever), as UTF-8 text."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{path}: not a regular file")
+    return open(path, newline="", encoding="utf-8-sig")
+
+
 class _Csv:
     """A CSV file read whole: header, rows, and the spreadsheet row number of each."""
 
     def __init__(self, path: str | Path):
         self.path = str(path)
         try:
-            with open(path, newline="", encoding="utf-8-sig") as f:
+            with _open_text(path) as f:
                 reader = csv.reader(f)
                 self.header = [h.strip() for h in next(reader, [])]
                 self.rows: list[list[str]] = []
@@ -437,6 +448,9 @@ def load_csv(path: str | Path, gpu: str | None = None) -> Dataset:
         unit = {"w": "W", "mw": "mW", "us": "us"}.get(c.rsplit("_", 1)[1], c.rsplit("_", 1)[1])
         hi = MAX_POWER_W / factor if si == "power_w" else None
         cols[si] = f.floats(c, optional=True, positive=True, hi=hi, unit=unit) * factor
+        for i in np.flatnonzero(cols[si] == 0)[:1]:  # positive, but 0 once in SI units
+            raise f.error(i, c, f"{f.text(c)[i]} {unit} is too small to be a measurement "
+                                f"(0 {si.rsplit('_', 1)[1]} in SI units)")
     if "kernel" in cols:
         tiled = cols["kernel"] == "tiled"
         tile = cols.get("tile", np.zeros(n))
@@ -494,7 +508,7 @@ _SIGNATURES = (
 def detect_format(path: str | Path) -> str:
     """The format whose signature columns the file's header has, else "csv"."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as fh:
+        with _open_text(path) as fh:
             header = {h.strip() for h in next(csv.reader(fh), [])}
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise InputError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from e

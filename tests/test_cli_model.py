@@ -148,3 +148,34 @@ def test_progress_bar_only_on_a_terminal():
     p(1)
     p.close()
     assert "fitting [" in tty.getvalue() and "2/2" in tty.getvalue()
+
+
+@pytest.mark.parametrize("argv, gist", [
+    (["import", "/dev/zero"], "/dev/zero: not a regular file"),
+    (["import", "--format", "csv", "/dev/zero"], "/dev/zero: not a regular file"),
+    (["import", "--name", "", "FILE"], "source name '' must be 1-64 letters"),
+    (["evaluate", "--jobs", "0", "FILE"], "--jobs 0 is outside 1.."),
+    (["evaluate", "--jobs", "1000000000000", "FILE"], "--jobs 1000000000000 is outside 1.."),
+    (["fit", "FILE", "--out", "/dev/full"], "--out /dev/full: exists and is not a regular"),
+    (["fit", "FILE", "--out", "/proc/gemmd.skops"], "--out /proc/gemmd.skops: cannot write"),
+    (["fit", "FILE", "--out", "FILE/model.skops"], "is not a directory"),
+    (["fit", "FILE", "--out", "DIR"], "exists and is not a regular file"),
+    (["fit", "FILE", "--out", ""], "--out must not be empty"),
+    (["predict", "64", "64", "64", "--dtype", "fp32", "--device", ""],
+     "--device must not be empty"),
+])
+def test_hostile_arguments_are_one_line_errors(capsys, env, argv, gist):
+    """Each was a traceback, or silently did something else (issue 12)."""
+    tmp, f, sd = env
+    argv = [str(f) if a == "FILE" else a.replace("FILE", str(f)) for a in argv]
+    argv = [str(tmp) if a == "DIR" else a for a in argv]
+    rc, out, err = run(capsys, *argv, *sd)
+    assert rc in (1, 2) and gist in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+
+
+def test_an_imported_runtime_that_underflows_to_zero_is_refused(capsys, env, tmp_path):
+    tiny = tmp_path / "tiny.csv"
+    tiny.write_text("m,n,k,dtype,runtime_ms\n64,64,64,fp32,4.9e-324\n")
+    rc, _, err = run(capsys, "import", "--gpu", "h100-sxm", str(tiny), *env[2])
+    assert rc == 1 and "row 2, column runtime_ms: 4.9e-324 ms is too small" in err
