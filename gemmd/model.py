@@ -423,6 +423,7 @@ class ForestModel:
             raise ModelError(f"model file {path} was fitted by another gemmd version (model "
                              f"format {meta.get('format', 1)}, this gemmd reads "
                              f"{MODEL_FORMAT}); refit it")
+        _check_forests(payload, path)
         return cls(payload["forests"], dict(payload["sigma"]), float(payload["z"]), meta)
 
     def device_infos(self) -> list[DeviceInfo]:
@@ -473,6 +474,28 @@ def _check_payload(payload: Any, path: Path) -> None:
           and isinstance(payload["meta"], str))
     if not ok:
         raise ModelError(f"model file {path} is not a gemmd model (unexpected content)")
+
+
+def _check_forests(payload: dict, path: Path) -> None:
+    """The forests must read exactly gemmd's features: the metadata says which features a
+    model uses, but the trees are walked by feature index, so a forest fitted on other
+    columns (and a forged checksum) would serve nonsense without an error."""
+    n = len(features.FEATURES)
+    for target, rf in payload["forests"].items():
+        trees = getattr(rf, "estimators_", None) or []
+        bad = getattr(rf, "n_features_in_", None) != n or not trees or any(
+            getattr(t, "n_features_in_", None) != n or t.tree_.n_features != n
+            or (t.tree_.feature >= n).any() for t in trees)
+        if bad:
+            raise ModelError(f"model file {path}: the {target} forest does not read gemmd's "
+                             f"{n} features (fitted on other data); refit it")
+    sigma = payload["sigma"]
+    if not isinstance(sigma, dict) or not set(payload["forests"]) <= set(sigma) <= set(
+            TARGETS) or not all(
+            isinstance(v, float) and math.isfinite(v) and v >= 0 for v in sigma.values()) \
+            or not isinstance(payload["z"], float) or not math.isfinite(payload["z"]):
+        raise ModelError(f"model file {path}: its prediction intervals are not gemmd's "
+                         "(sigma and z)")
 
 
 def _sha256(path: str | Path) -> str:

@@ -247,3 +247,28 @@ def test_model_of_another_format_is_refused(tmp_path, fitted):
     old.save(path)
     with pytest.raises(ModelError, match="another gemmd version"):
         ForestModel.load(path)
+
+
+def test_a_forest_fitted_on_other_features_is_refused(tmp_path, fitted):
+    """A forest with the wrong number of features inside gemmd's payload (checksum forged
+    to match) used to load and serve nonsense (1024^3 in 47 us)."""
+    import json
+
+    import skops.io as sio
+    from sklearn.ensemble import RandomForestRegressor
+
+    model, _ = fitted
+    rng = np.random.default_rng(0)
+    small = RandomForestRegressor(n_estimators=3, random_state=0).fit(
+        rng.normal(size=(50, 5)), rng.normal(size=50))
+    path = tmp_path / "forged.skops"
+    sio.dump({"forests": {**model.forests, "runtime": small}, "sigma": dict(model.sigma),
+              "z": model.z, "meta": json.dumps(model.meta)}, path)
+    from gemmd.model import _sha256
+
+    with pytest.raises(ModelError, match="runtime forest does not read gemmd's"):
+        ForestModel.load(path, _sha256(path))  # the checksum matches: it was forged too
+    sio.dump({"forests": model.forests, "sigma": {"runtime": float("nan")}, "z": model.z,
+              "meta": json.dumps(model.meta)}, path)
+    with pytest.raises(ModelError, match="prediction intervals"):
+        ForestModel.load(path)
