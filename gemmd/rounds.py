@@ -48,6 +48,11 @@ def _energy_trusted(m: Measurement, backend: str) -> bool:
     return method == "steps" or (method == "window" and backend == "cpu")
 
 
+def device_label(info: Any) -> str:
+    """How logs name a device: "GPU 0", or "CPU" for the CPU backend."""
+    return "CPU" if info.backend == "cpu" else f"GPU {info.index}"
+
+
 class DeviceRunner:
     def __init__(self, device: Device, cfg: Config, store: Store, state: State,
                  registry: ModelRegistry, cancel: threading.Event | None = None,
@@ -55,6 +60,7 @@ class DeviceRunner:
         """``budget_s``: probe seconds a round may spend; by default the duty-cycle budget
         (``duty_cycle x probe_interval_s``); ``math.inf`` runs every probe (gemmd probe)."""
         self.device = device
+        self.label = device_label(device.info)
         self.cfg = cfg
         self.budget_s = budget_s
         self.store = store
@@ -63,7 +69,7 @@ class DeviceRunner:
         self.cancel = cancel or threading.Event()
         self.plan, dropped = build_plan(cfg.probes.sentinels, device)
         for spec, reason in dropped.items():
-            logger.info("GPU %s: probe %s left out of the plan: %s", device.info.index,
+            logger.info("%s: probe %s left out of the plan: %s", self.label,
                         spec.name, reason)
         state.add_device(device.info)
         with state.lock:
@@ -91,7 +97,7 @@ class DeviceRunner:
             self._round_lock.release()
 
     def _round(self) -> list[Result]:
-        info, ds = self.device.info, self._ds
+        ds = self._ds
         mcfg = self.cfg.probes.measure
         with self.state.lock:
             ds.rounds_total += 1
@@ -108,7 +114,7 @@ class DeviceRunner:
             self._round_failed(str(e))
             return [Result(self.plan[0], "sentinel", "failed", error=str(e))] if self.plan else []
         if busy:
-            logger.info("GPU %s: skipping round: %s", info.index, busy)
+            logger.info("%s: skipping round: %s", self.label, busy)
             self._skip_all(busy, len(self.plan))
             return []
         todo = self._order(exploration_specs(self.cfg.probes.exploration, self.device,
@@ -136,12 +142,12 @@ class DeviceRunner:
             except ProbeCancelled:
                 break
             except UnsupportedProbe as e:
-                logger.warning("GPU %s: %s", info.index, e)
+                logger.warning("%s: %s", self.label, e)
                 self._skip_all("unsupported", 1)
                 continue
             except (DeviceError, GemmdError) as e:
                 failed = str(e)
-                logger.error("GPU %s: probe %s failed: %s", info.index, spec.name, e)
+                logger.error("%s: probe %s failed: %s", self.label, spec.name, e)
                 results.append(self._record_failure(spec, kind, failed))
                 break  # a failing device fails every probe: don't hammer it this round
             finally:
@@ -165,7 +171,7 @@ class DeviceRunner:
         elif results:
             with self.state.lock:
                 if not ds.up:
-                    logger.warning("GPU %s is back up", info.index)
+                    logger.warning("%s is back up", self.label)
                 ds.up, ds.down_reason, ds.consecutive_failures = True, "", 0
         return results
 
@@ -188,18 +194,18 @@ class DeviceRunner:
                 backoff = min(cfg.max_backoff_s, cfg.probe_interval_s * 2 ** extra)
                 ds.next_retry = time.time() + backoff
                 if ds.up:
-                    logger.error("GPU %s marked down after %d failed rounds: %s",
-                                 self.device.info.index, ds.consecutive_failures, error)
+                    logger.error("%s marked down after %d failed rounds: %s",
+                                 self.label, ds.consecutive_failures, error)
                 ds.up, ds.down_reason = False, "failed"
-                logger.info("GPU %s: next retry in %.0f s", self.device.info.index, backoff)
+                logger.info("%s: next retry in %.0f s", self.label, backoff)
 
     def mark_hung(self, since: float) -> None:
         """Called by the daemon's watchdog when a probe outlives probes.measure.timeout_s."""
         with self.state.lock:
             ds = self._ds
             if ds.up or ds.down_reason != "hung":
-                logger.error("GPU %s: probe %s running for %.0f s: marked down as hung",
-                             self.device.info.index, ds.in_flight, time.time() - since)
+                logger.error("%s: probe %s running for %.0f s: marked down as hung",
+                             self.label, ds.in_flight, time.time() - since)
                 ds.probes_total[("sentinel", "failed")] += 1
             ds.up, ds.down_reason = False, "hung"
 
@@ -233,9 +239,9 @@ class DeviceRunner:
         after = m.context.get("after") or {}
         clock = after.get("sm_clock_hz")
         logger.warning(
-            "GPU %s: %s %s drifting: measured/predicted %.3f, normal %.3f for this card "
+            "%s: %s %s drifting: measured/predicted %.3f, normal %.3f for this card "
             "(z %.1f, CUSUM %.1f); SM clock %s, temperature %s, clock events %s",
-            self.device.info.index, spec.name, target, meas / pred, math.exp(tr.reference),
+            self.label, spec.name, target, meas / pred, math.exp(tr.reference),
             tr.last_z or 0.0, tr.cusum, f"{clock / 1e9:.2f} GHz" if clock else "?",
             f"{after['temperature_c']:.0f} C" if "temperature_c" in after else "?",
             ",".join(after.get("clock_event_reasons", [])) or "none")
@@ -249,8 +255,8 @@ class DeviceRunner:
             pred, version = Prediction(), ""
         outcome = "mismatch" if m.check_ok is False else "ok"
         if outcome == "mismatch":
-            logger.error("GPU %s: probe %s returned wrong results (scaled error %.3g): possible "
-                         "silent data corruption", info.index, spec.name, m.check_error)
+            logger.error("%s: probe %s returned wrong results (scaled error %.3g): possible "
+                         "silent data corruption", self.label, spec.name, m.check_error)
         raised: list[str] = []
         with self.state.lock:
             drift = self.state.drift
