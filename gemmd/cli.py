@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import sqlite3
 import sys
 import tempfile
 import threading
@@ -248,16 +249,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     store = Store(db)
     try:
         devices, counts, latest = store.devices(), store.counts(), store.latest_per_probe()
-        model, models = store.active_model(), store.models()
+        model, models, sources = store.active_model(), store.models(), store.sources()
     finally:
         store.close()
+    keep = cfg.store
+    for src in sources:
+        src["retention"] = (f"{keep.retention_days:g} days, at most {keep.max_rows:,} rows"
+                            if src["source"] == "daemon" else
+                            f"until gemmd prune --source {src['source']}")
     if args.json:
-        print(json.dumps({"store": str(db), "devices": devices, "counts": counts,
-                          "latest": latest, "model": model, "models": len(models)},
-                         indent=1, default=str))
+        print(json.dumps({"store": str(db), "sources": sources, "devices": devices,
+                          "counts": counts, "latest": latest, "model": model,
+                          "models": len(models)}, indent=1, default=str))
         return 0
     now = time.time()
     print(f"store: {db}")
+    if not sources:
+        print("  no probe results yet")
+    for src in sources:
+        kind = "probes" if src["source"] == "daemon" else "imported"
+        print(f"  {src['source']:<16} {src['rows']:>9,} rows ({kind}) on {src['devices']} "
+              f"device(s), last {_stamp(src['last'])} ({_age(now - src['last'])} ago); "
+              f"kept: {src['retention']}")
     for d in devices:
         # Imported measurements have a reference device, not a GPU index of this host.
         label = f"GPU {d['idx']}" if d["idx"] is not None else "reference"
@@ -320,6 +333,41 @@ def cmd_rebaseline(args: argparse.Namespace) -> int:
     print(f"rebaseline {who}: {n} stored result(s) taken while drifting now count for "
           "training; a running daemon resets its drift references within 5 s (otherwise at "
           "its next start)")
+    return 0
+
+
+def _stamp(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Delete stored results of one source, on request (the daemon prunes only its own)."""
+    from gemmd.store import Store
+
+    if not (args.all or args.older_than is not None or args.max_rows is not None):
+        args._parser.error("say what to delete: --older-than DAYS, --max-rows N or --all")
+    if args.all and (args.older_than is not None or args.max_rows is not None):
+        args._parser.error("--all deletes every row of the source: give it alone")
+    if args.older_than is not None and not args.older_than >= 0:
+        args._parser.error(f"--older-than {args.older_than:g}: must be 0 or more days")
+    cfg = _load_config(args)
+    db = cfg.resolved_state_dir() / "gemmd.db"
+    if not db.is_file():
+        raise GemmdError(f"no store at {db} (has gemmd run there? see state_dir)")
+    store = Store(db)
+    try:
+        known = {s["source"]: s["rows"] for s in store.sources()}
+        if args.source not in known:
+            have = ", ".join(f"{k} ({v:,} rows)" for k, v in known.items()) or "none"
+            raise InputError(f"--source {args.source}: no such source in {db} (sources: "
+                             f"{have})")
+        if args.all:
+            n = store.delete_source(args.source)
+        else:
+            n = store.prune(args.older_than, args.max_rows, sources=(args.source,))
+    finally:
+        store.close()
+    print(f"deleted {n:,} of {known[args.source]:,} rows of source {args.source!r}")
     return 0
 
 
@@ -435,6 +483,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="index or UUID (repeatable; default: every device)")
     rb.set_defaults(func=cmd_rebaseline)
 
+    pn = sub.add_parser("prune", parents=[common],
+                        help="delete stored results of one source (e.g. an import)")
+    pn.add_argument("--source", required=True, metavar="NAME",
+                    help="the source: an import's name, or daemon (see gemmd status)")
+    pn.add_argument("--older-than", type=float, metavar="DAYS",
+                    help="delete its results older than this many days")
+    pn.add_argument("--max-rows", type=int_range("--max-rows", 0, 1 << 40), metavar="N",
+                    help="keep only its newest N results")
+    pn.add_argument("--all", action="store_true", help="delete every result of the source")
+    pn.set_defaults(func=cmd_prune, _parser=pn)
+
     # The model's offline commands (fit, evaluate, predict, advise, import, report).
     from gemmd import cli_model
 
@@ -457,6 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     except GemmdError as e:
         print(f"gemmd: error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except sqlite3.Error as e:  # a store error that escaped translation: still one line
+        print(f"gemmd: error: store: {_one_line(str(e))}", file=sys.stderr)
         return EXIT_RUNTIME
     except KeyboardInterrupt:
         return 130

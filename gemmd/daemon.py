@@ -28,7 +28,7 @@ from gemmd.probes import Measurement
 from gemmd.registry import ModelRegistry
 from gemmd.rounds import DeviceRunner
 from gemmd.state import ProbeState, State
-from gemmd.store import Store
+from gemmd.store import DAEMON_SOURCE, Store
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,8 @@ class Daemon:
         self._first_fit = threading.Event()
         self._first_fit_lock = threading.Lock()
         self._refit_lock = threading.Lock()
+        self._refit_error: str | None = None  # the last refit's failure, logged once
+        self._drift_save_failing = False
         self.runners: list[DeviceRunner] = []
         for d in self.devices:
             self.store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
@@ -205,27 +207,48 @@ class Daemon:
         try:
             outcome = self.registry.refit(cancel=self.stopping)
             logger.info("refit: %s", outcome)
+            self._refit_error = None
             if outcome == "accepted":
                 self._rereference()
             if outcome == "insufficient_data":
                 self._first_fit.clear()  # try again after the next round
+        except (OSError, GemmdError) as e:
+            # Weather (a full disk, a store that cannot be written), not a bug: one line,
+            # and only when it changes (the store logs its own write failures once).
+            msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename \
+                else str(e)
+            if msg != self._refit_error and not getattr(e, "reported", False):
+                logger.error("refit failed: %s", msg)
+            self._refit_error = msg
+            with self.state.lock:
+                self.state.model.refits_total["failed"] += 1
         except Exception as e:
             logger.exception("refit failed: %s", e)
             with self.state.lock:
                 self.state.model.refits_total["failed"] += 1
         try:
-            n = self.store.prune(self.cfg.store.retention_days, self.cfg.store.max_rows)
+            # The daemon's own probes only: imported sources are the user's data.
+            n = self.store.prune(self.cfg.store.retention_days, self.cfg.store.max_rows,
+                                 sources=(DAEMON_SOURCE,))
             if n:
-                logger.info("store: pruned %d old probe results", n)
+                logger.info("store: pruned %d old probe results of the daemon", n)
         except Exception as e:
-            logger.error("store: prune failed: %s", e)
+            if not getattr(e, "reported", False):
+                logger.error("store: prune failed: %s", e)
 
     def _save_drift(self) -> None:
         try:
             with self.state.lock:
                 self.state.drift.save()
         except OSError as e:
-            logger.error("cannot save drift state: %s", e)
+            if not self._drift_save_failing:  # once per episode, not after every round
+                logger.error("cannot save drift state: %s (kept in memory; retried after "
+                             "every round)", e)
+            self._drift_save_failing = True
+            return
+        if self._drift_save_failing:
+            logger.warning("drift state saved again")
+            self._drift_save_failing = False
 
     def _rereference(self) -> None:
         """Re-take drift references under the current model from stored healthy results.

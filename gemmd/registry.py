@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sqlite3
 import threading
 import time
 from collections.abc import Sequence
@@ -20,14 +21,19 @@ import numpy as np
 
 from gemmd.config import ModelConfig
 from gemmd.devices.base import DeviceInfo
-from gemmd.errors import ModelError
-from gemmd.features import Table
+from gemmd.errors import ModelError, StoreError
+from gemmd.features import NUMERIC_DEFAULTS, TARGET_COLUMNS, TEXT_DEFAULTS, Table
+from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, Prediction, RooflinePredictor
-from gemmd.probes import ProbeSpec
 from gemmd.state import State
 from gemmd.store import Store
 
 logger = logging.getLogger(__name__)
+
+# Most stored probes one refit reads (model.max_training_rows, when the configuration has
+# it): bounds a refit's memory and time whatever the store's max_rows. Beyond it, every
+# configuration keeps its newest repeats (see Store.training_columns).
+MAX_TRAINING_ROWS = 200_000
 
 
 def device_infos(store: Store) -> dict[str, DeviceInfo]:
@@ -46,6 +52,35 @@ def training_data(store: Store, sources: Sequence[str] = ("daemon",)
     infos = device_infos(store)
     rows = [r for r in reversed(store.probes(sources=sources)) if r["device_uuid"] in infos]
     return rows, [infos[r["device_uuid"]] for r in rows]
+
+
+def training_table(store: Store, sources: Sequence[str] = ("daemon",),
+                   max_rows: int | None = MAX_TRAINING_ROWS) -> tuple[Table, int]:
+    """What ``training_data`` gives, as a Table (with ``ts``), read column-wise and bounded:
+    (table, rows matching before the cap). Same rows, same order, same table when the
+    store holds at most ``max_rows`` usable probes."""
+    infos = device_infos(store)
+    cols, total = store.training_columns(sources, max_rows)
+    uuids = cols.pop("device_uuid")
+    known = np.fromiter((u in infos for u in uuids), dtype=bool, count=len(uuids))
+    if not known.all():
+        cols = {k: v[known] for k, v in cols.items()}
+        uuids = uuids[known]
+    index: dict[str, int] = {}  # device uuid -> position, in order of first appearance
+    device = np.fromiter((index.setdefault(u, len(index)) for u in uuids), dtype=np.int64,
+                         count=len(uuids))
+    devices = [infos[u] for u in index]
+    out: dict[str, np.ndarray] = {c: cols[c] for c in ("m", "n", "k")}
+    for c, d in NUMERIC_DEFAULTS.items():
+        out[c] = np.where(np.isnan(cols[c]), d, cols[c])
+    n = len(device)
+    for c, d in TEXT_DEFAULTS.items():
+        out[c] = np.array([v or d for v in cols[c]], dtype=object) if c in cols else \
+            np.full(n, d, dtype=object)
+    for c in TARGET_COLUMNS:
+        out[c] = cols[c]
+    out["ts"] = cols["ts"]
+    return Table(out, devices, device), total
 
 
 class ModelRegistry:
@@ -110,24 +145,28 @@ class ModelRegistry:
 
     def _refit(self, sources: Sequence[str], force: bool,
                cancel: threading.Event | None = None) -> str:
-        rows, infos = training_data(self.store, sources)
-        if len(rows) < self.cfg.min_samples:
-            logger.info("refit: %d samples, need model.min_samples=%d", len(rows),
+        cap = getattr(self.cfg, "max_training_rows", MAX_TRAINING_ROWS) or None
+        t, total = training_table(self.store, sources, cap)
+        if len(t) < total:
+            logger.info("refit: training on %d of %d stored probes (model.max_training_rows "
+                        "%d: each configuration keeps its newest repeats)", len(t), total, cap)
+        if len(t) < self.cfg.min_samples:
+            logger.info("refit: %d samples, need model.min_samples=%d", len(t),
                         self.cfg.min_samples)
             return "insufficient_data"
         try:
-            new = ForestModel.fit(rows, infos, self.cfg)
+            new = ForestModel.fit_table(t, self.cfg)
         except ModelError as e:
             logger.info("refit: %s", e)
             return "insufficient_data"
         with self._lock:
             old, old_created = self.current, self.created
         if isinstance(old, ForestModel) and not force:
-            unseen = [i for i, r in enumerate(rows) if r["ts"] > (old_created or 0)]
-            if not unseen:
+            unseen = np.flatnonzero(t["ts"] > (old_created or 0))
+            if not len(unseen):
                 logger.info("refit: no probes since model %s; keeping it", old.version)
                 return "rejected"
-            new_err, old_err = self._compare(new, old, rows, infos, unseen)
+            new_err, old_err = self._compare(new, old, t, unseen)
             if new_err > old_err:
                 logger.warning("refit rejected: new model's runtime error %.2f%% on %d unseen "
                                "probes is worse than current %s's %.2f%%", 100 * new_err,
@@ -139,8 +178,8 @@ class ModelRegistry:
         self.register(new)
         return "accepted"
 
-    def _compare(self, new: ForestModel, old: ForestModel, rows: list[dict[str, Any]],
-                 infos: list[DeviceInfo], idx: list[int]) -> tuple[float, float]:
+    def _compare(self, new: ForestModel, old: ForestModel, t: Table, idx: np.ndarray
+                 ) -> tuple[float, float]:
         """Runtime MAPE of each model on probes the old model never saw.
 
         The old model is scored directly. The new recipe is scored out of sample too: two
@@ -148,7 +187,6 @@ class ModelRegistry:
         (the new model's own fit has seen them, and its out-of-bag estimates leave out
         whole configurations, which the old model did see: neither would be fair).
         """
-        t = Table.from_rows(rows, infos)
         unseen = np.asarray(idx)
         measured = t["runtime_s"][unseen]
         old_pred = old.predict_table(t.take(unseen))["runtime"]["point"]
@@ -176,8 +214,12 @@ class ModelRegistry:
         path = self.model_dir / f"model-{int(created * 1000)}-{model.meta['data_hash']}.skops"
         sha = model.save(path)
         model.meta["sha256"] = sha
-        version = self.store.add_model(model.kind, str(path), model.meta["n_samples"],
-                                       model.meta["data_hash"], model.meta, activate=True)
+        try:
+            version = self.store.add_model(model.kind, str(path), model.meta["n_samples"],
+                                           model.meta["data_hash"], model.meta, activate=True)
+        except (StoreError, sqlite3.Error):
+            path.unlink(missing_ok=True)  # a file no store record points at
+            raise
         model.version = f"rf-{version}"
         self._set(model, created)
         oob = model.meta.get("scores", {}).get("runtime", {}).get("oob_mape", math.nan)

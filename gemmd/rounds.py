@@ -220,7 +220,11 @@ class DeviceRunner:
         try:
             self.store.insert_probe(row)
         except (sqlite3.Error, GemmdError) as e:
-            logger.error("GPU %s: cannot store probe result: %s", self.device.info.index, e)
+            # The store logs a failing episode itself, once (what is full, where) and once
+            # when writes work again; the result stays in memory and is counted here.
+            if not getattr(e, "reported", False):
+                logger.error("GPU %s: cannot store probe result: %s", self.device.info.index,
+                             e)
             with self.state.lock:
                 self.state.store_errors_total += 1
 

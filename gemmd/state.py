@@ -15,8 +15,9 @@ from typing import Any
 
 from gemmd.devices.base import DeviceInfo
 from gemmd.drift import DriftMonitor, DriftParams, Track
+from gemmd.gemm import ProbeSpec
 from gemmd.model import Prediction
-from gemmd.probes import Measurement, ProbeSpec
+from gemmd.probes import Measurement
 
 
 @dataclass

@@ -3,22 +3,43 @@
 Each probe result is committed in its own transaction, so a killed daemon loses at most
 the probe in flight. The schema is versioned with ``PRAGMA user_version`` and migrated
 forward on open; a database from a newer gemmd is refused rather than guessed at.
+
+Opening checks the file (``PRAGMA quick_check``, every table and column present, writable)
+and refuses a damaged one with a :class:`StoreError` naming the file and the problem. It
+logs what it found (results per source, last probe time) and compares it with the
+high-water mark kept beside the database (``gemmd.db-seen``), so results lost outside
+gemmd (a ``-wal`` file deleted or damaged after a crash, an older copy restored) are
+reported instead of passing silently.
+
+A failed write (disk full, I/O error) rolls back cleanly and raises
+:class:`StoreWriteError`; the first failure of an episode is logged once with what is full
+and where, the recovery once with how many results were not written.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import shutil
 import sqlite3
+import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
 
 from gemmd.errors import StoreError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DAEMON_SOURCE = "daemon"
 
 PROBE_COLUMNS = (
     "ts", "source", "kind", "device_uuid", "device_index", "device_name", "backend",
@@ -91,31 +112,112 @@ ALTER TABLE probes ADD COLUMN out_dtype TEXT;
 MIGRATIONS: Sequence[str] = (_V1, _V2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
+# What a store must hold to be usable (every migration applied).
+REQUIRED_COLUMNS = {
+    "probes": ("id", *PROBE_COLUMNS),
+    "devices": ("uuid", "idx", "name", "backend", "info", "first_seen", "last_seen"),
+    "models": ("version", "created", "kind", "path", "n_samples", "data_hash", "meta",
+               "active"),
+}
+
+# What a model fit reads from a probe row (no context, no prediction columns), and the
+# configuration that makes two rows repeats of one another (features.CONFIG_KEYS + device).
+TRAINING_TEXT = ("device_uuid", "dtype", "kernel", "layout", "out_dtype")
+TRAINING_NUMERIC = ("ts", "m", "n", "k", "tile", "batch", "cta_m", "cta_n", "cta_k", "stages",
+                    "alpha", "beta", "runtime_s", "power_w", "energy_j")
+TRAINING_GROUP = ("device_uuid", "m", "n", "k", "dtype", "kernel", "tile", "layout", "batch",
+                  "cta_m", "cta_n", "cta_k", "stages", "alpha", "beta", "out_dtype")
+_CHUNK = 20_000  # rows fetched at a time when reading training data
+
+# Writes that fail and recover over and over (a filesystem at the edge of full) log a
+# "failing" and a "work again" line at most once per FLAP_S each, with the counts between.
+FLAP_S = 300.0
+_clock = time.time  # tests move it
+
+_MOVE_ASIDE = ("to start a new history, stop gemmd and move {p} with its -wal and -shm "
+               "aside (docs/runbook.md#gemmdstoreerrors)")
+
+
+class StoreWriteError(StoreError):
+    """A write failed for a storage reason (disk full, I/O error, read-only, locked).
+
+    The transaction was rolled back and the store stays usable. ``reported`` is True when
+    the store has already logged the episode this failure belongs to (callers count the
+    failure and need not log it again).
+    """
+
+    def __init__(self, message: str, *, reported: bool, full: bool):
+        super().__init__(message)
+        self.reported = reported
+        self.full = full
+
 
 class Store:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, check: bool = True):
+        """Open (creating if needed), check, migrate and describe the store at ``path``.
+
+        ``check``: run ``PRAGMA quick_check`` (reads every page once; about 1 s per GB).
+        """
         self.path = Path(path)
+        self._lock = threading.RLock()
+        self._failing: str | None = None  # error name while writes fail, else None
+        self._reported_failing = False  # the last line logged said "writes failing"
+        self._last_fail_line = self._last_ok_line = -math.inf
+        self._failing_since = 0.0  # first failure since the last "work again" line
+        self._failed_writes = 0  # since the last "work again" line
+        self._episode_rows = 0  # probe results not written since the last "work again" line
+        self.rows_not_written = 0  # since open
+        self._seen_path = self.path.with_name(self.path.name + "-seen")
+        existed = self.path.exists()
+        size = self.path.stat().st_size if existed else 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._check_writable(existed)
             self._db = sqlite3.connect(str(self.path), check_same_thread=False,
                                        isolation_level=None, timeout=30.0)
+        except StoreError:
+            raise
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"cannot open store {self.path}: {e}") from e
+        try:
             self._db.row_factory = sqlite3.Row
-            self._check_version()
+            version = self._check_version()
+            tables = self._tables()
+            if version == 0 and tables:
+                raise StoreError(f"store {self.path} is a SQLite database but not gemmd's "
+                                 f"(schema version 0, tables {', '.join(sorted(tables))})")
+            if existed and version == 0:
+                self._warn_empty(size)
+            if check and version:
+                self._quick_check()
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 logger.warning("store %s: journal mode is %s, not WAL", self.path, mode)
             # NORMAL in WAL mode survives a process crash; only power loss may drop the tail.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
-        except StoreError:
+            self._migrate()
+            self._check_schema()
+            if check:
+                self._describe()
+        except BaseException as e:
             self._db.close()
+            if isinstance(e, sqlite3.Error):
+                raise StoreError(f"cannot open store {self.path}: {e}") from e
             raise
-        except (sqlite3.Error, OSError) as e:
-            raise StoreError(f"cannot open store {self.path}: {e}") from e
-        self._lock = threading.RLock()
-        self._migrate()
 
-    # ------------------------------------------------------------- schema
+    # ------------------------------------------------------------- checks on open
+    def _check_writable(self, existed: bool) -> None:
+        """gemmd writes the database and creates its -wal and -shm beside it."""
+        for p in ([self.path] if existed else []) + [self.path.parent]:
+            if not os.access(p, os.W_OK):
+                st = p.stat()
+                what = "file" if p == self.path else "directory"
+                raise StoreError(f"store {self.path}: {what} {p} is not writable by uid "
+                                 f"{os.geteuid()} (mode {stat.filemode(st.st_mode)}, owner uid "
+                                 f"{st.st_uid}; or a read-only filesystem or immutable file); "
+                                 "gemmd must be able to write it")
+
     def _check_version(self) -> int:
         """Refuse a file that is not SQLite or is from a newer gemmd, before touching it."""
         try:
@@ -127,6 +229,100 @@ class Store:
                              f"gemmd understands ({SCHEMA_VERSION}); upgrade gemmd")
         return version
 
+    def _tables(self) -> set[str]:
+        try:
+            return {r[0] for r in self._db.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE "
+                "'sqlite_%'")}
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"store {self.path} is damaged: {e}; "
+                             + _MOVE_ASIDE.format(p=self.path)) from e
+
+    def _warn_empty(self, size: int) -> None:
+        """An existing file without gemmd's schema: a new store, unless data was lost."""
+        if size == 0:
+            logger.warning("store %s is an empty (0-byte) file: starting a new, empty history; "
+                           "if it held probe results before, they are lost", self.path)
+        else:
+            logger.warning("store %s holds no schema although gemmd created it (%d bytes): its "
+                           "-wal file, which held everything written so far, is missing or "
+                           "damaged; starting a new, empty history", self.path, size)
+
+    def _quick_check(self) -> None:
+        try:
+            problems = [r[0] for r in self._db.execute("PRAGMA quick_check(5)")]
+        except sqlite3.DatabaseError as e:
+            problems = [str(e)]
+        if problems != ["ok"]:
+            first = " ".join(problems[0].split())
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise StoreError(f"store {self.path} is damaged: integrity check: {first}{more}; "
+                             + _MOVE_ASIDE.format(p=self.path))
+
+    def _check_schema(self) -> None:
+        for table, required in REQUIRED_COLUMNS.items():
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if not have:
+                problem = f"table {table} is missing"
+            elif missing := [c for c in required if c not in have]:
+                problem = f"table {table} lacks column(s) {', '.join(missing)}"
+            else:
+                continue
+            raise StoreError(f"store {self.path}: schema is broken: {problem} (schema version "
+                             f"{self.schema_version}); " + _MOVE_ASIDE.format(p=self.path))
+
+    def _describe(self) -> None:
+        """Log what the store holds, and results written earlier that are no longer there."""
+        summary = self.sources()
+        total = sum(s["rows"] for s in summary)
+        if summary:
+            now = time.time()
+            parts = [f"{s['source']} {s['rows']:,} (last {_when(s['last'], now)})"
+                     for s in summary]
+            logger.info("store %s: %d probe results: %s", self.path, total, "; ".join(parts))
+        else:
+            logger.info("store %s: no probe results yet", self.path)
+        seen = self._read_seen()
+        if not seen:
+            return
+        last_id, last_ts = self._high_water()
+        if seen.get("max_id", 0) > last_id:
+            logger.warning(
+                "store %s ends at result #%d%s, but results up to #%d (last probe %s) were "
+                "written to it: %d probe results are missing (its -wal file deleted or "
+                "damaged after a crash, or an older copy restored? keep gemmd.db-wal with "
+                "gemmd.db)", self.path, last_id,
+                f" (last probe {_when(last_ts)})" if last_id else "", seen["max_id"],
+                _when(seen.get("max_ts")), seen["max_id"] - last_id)
+
+    def _high_water(self) -> tuple[int, float | None]:
+        row = self._db.execute("SELECT id, ts FROM probes ORDER BY id DESC LIMIT 1").fetchone()
+        return (row[0], row[1]) if row else (0, None)
+
+    def _read_seen(self) -> dict[str, Any] | None:
+        try:
+            seen = json.loads(self._seen_path.read_text())
+            return seen if isinstance(seen, dict) and isinstance(seen.get("max_id"), int) \
+                else None
+        except (OSError, ValueError):
+            return None
+
+    def _mark_seen(self) -> None:
+        """Record the newest result id beside the database (after every write)."""
+        try:
+            max_id, max_ts = self._high_water()
+            tmp = self._seen_path.with_name(self._seen_path.name + ".tmp")
+            try:
+                tmp.write_text(json.dumps({"max_id": max_id, "max_ts": max_ts,
+                                           "written": time.time()}))
+                os.replace(tmp, self._seen_path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
+        except (OSError, sqlite3.Error) as e:  # a full disk: the store reports that itself
+            logger.debug("store %s: cannot record the high-water mark: %s", self.path, e)
+
+    # ------------------------------------------------------------- schema
     def _migrate(self) -> None:
         version = self._check_version()
         for v in range(version, SCHEMA_VERSION):
@@ -140,7 +336,7 @@ class Store:
                     self._db.execute(f"PRAGMA user_version={v + 1}")
                     self._db.execute("COMMIT")
                 except sqlite3.Error as e:
-                    self._db.execute("ROLLBACK")
+                    self._rollback()
                     raise StoreError(f"store {self.path}: migration to {v + 1} failed: "
                                      f"{e}") from e
 
@@ -149,89 +345,184 @@ class Store:
         return self._db.execute("PRAGMA user_version").fetchone()[0]
 
     # ------------------------------------------------------------- writes
+    def _rollback(self) -> None:
+        """Roll back if a transaction is open: SQLite ends one itself on some errors
+        (SQLITE_FULL, SQLITE_IOERR), and a second error must not hide the first."""
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error as e:
+                logger.debug("store %s: rollback failed: %s", self.path, e)
+
+    def _write(self, what: str, fn: Callable[[sqlite3.Connection], T], rows: int = 0) -> T:
+        """Run ``fn`` in one transaction: all or nothing.
+
+        A storage failure (disk full, I/O error, read-only, locked) becomes a
+        StoreWriteError and is logged once per episode. Errors in the data itself
+        (a constraint, a bad value) are raised as they are: they are bugs, not weather.
+        """
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    out = fn(self._db)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._rollback()
+                    raise
+            except (sqlite3.IntegrityError, sqlite3.ProgrammingError,
+                    sqlite3.InterfaceError):
+                raise
+            except sqlite3.Error as e:
+                raise self._write_failed(what, e, rows) from e
+            self._write_ok()
+            self._mark_seen()
+        return out
+
+    def _write_failed(self, what: str, e: sqlite3.Error, rows: int) -> StoreWriteError:
+        """Count a failed write; log when writes start failing (once per episode, and at
+        most once per FLAP_S while they fail and recover over and over)."""
+        name = getattr(e, "sqlite_errorname", "") or type(e).__name__
+        full = name.startswith("SQLITE_FULL") or "is full" in str(e)
+        detail = f"{e}"
+        if full:
+            try:
+                du = shutil.disk_usage(self.path.parent)
+                detail += (f": {_size(du.free)} free of {_size(du.total)} on the filesystem of "
+                           f"{self.path.parent}")
+            except OSError:
+                pass
+        now = _clock()
+        if not self._failed_writes:
+            self._failing_since = now
+        changed = self._failing is not None and self._failing != name
+        self._failing = name
+        self.rows_not_written += rows
+        self._episode_rows += rows
+        self._failed_writes += 1
+        if changed or (not self._reported_failing and now - self._last_fail_line >= FLAP_S):
+            earlier = (f" ({self._failed_writes - 1} write(s) failed intermittently since "
+                       f"{_hms(self._failing_since)})" if self._failed_writes > 1 else "")
+            logger.error("store %s: writes failing (%s): %s%s; results stay in memory "
+                         "(metrics) and are counted in gemmd_store_errors_total until writes "
+                         "work again", self.path, what, detail, earlier)
+            self._reported_failing, self._last_fail_line = True, now
+        else:
+            logger.debug("store %s: %s failed: %s", self.path, what, detail)
+        return StoreWriteError(f"store {self.path}: {what} failed: {detail}", reported=True,
+                               full=full)
+
+    def _write_ok(self) -> None:
+        self._failing = None
+        if not self._reported_failing:
+            return  # nothing failed, or failures not reported yet (counted for the next line)
+        now = _clock()
+        if now - self._last_ok_line < FLAP_S:
+            return  # flapping: said on a later success
+        logger.warning("store %s: writes work again after %.0f s: %d write(s) failed, %d "
+                       "probe result(s) were not written", self.path,
+                       now - self._failing_since, self._failed_writes, self._episode_rows)
+        self._reported_failing, self._last_ok_line = False, now
+        self._failed_writes, self._episode_rows = 0, 0
+
+    @property
+    def failing(self) -> bool:
+        """True while writes fail (between the episode's first failure and a success)."""
+        return self._failing is not None
+
     def insert_probe(self, row: dict[str, Any]) -> int:
         return self.insert_probes([row])[0]
 
     def insert_probes(self, rows: Iterable[dict[str, Any]]) -> list[int]:
         """Insert rows in one transaction: all or nothing."""
-        ids = []
+        rows = list(rows)
         cols = ", ".join(PROBE_COLUMNS)
         marks = ", ".join("?" for _ in PROBE_COLUMNS)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                for row in rows:
-                    vals = [_encode(c, row.get(c)) for c in PROBE_COLUMNS]
-                    cur = self._db.execute(f"INSERT INTO probes ({cols}) VALUES ({marks})", vals)
-                    ids.append(cur.lastrowid)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return ids
+
+        def insert(db: sqlite3.Connection) -> list[int]:
+            ids = []
+            for row in rows:
+                vals = [_encode(c, row.get(c)) for c in PROBE_COLUMNS]
+                ids.append(db.execute(f"INSERT INTO probes ({cols}) VALUES ({marks})",
+                                      vals).lastrowid)
+            return ids
+
+        return self._write("insert probe results", insert, rows=len(rows))
 
     def upsert_device(self, uuid: str, index: int | None, name: str, backend: str,
                       info: dict[str, Any]) -> None:
         now = time.time()
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO devices (uuid, idx, name, backend, info, first_seen, last_seen) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(uuid) DO UPDATE SET idx=excluded.idx, "
-                "name=excluded.name, backend=excluded.backend, info=excluded.info, "
-                "last_seen=excluded.last_seen",
-                (uuid, index, name, backend, json.dumps(info, default=str), now, now))
+        self._write("record device", lambda db: db.execute(
+            "INSERT INTO devices (uuid, idx, name, backend, info, first_seen, last_seen) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(uuid) DO UPDATE SET idx=excluded.idx, "
+            "name=excluded.name, backend=excluded.backend, info=excluded.info, "
+            "last_seen=excluded.last_seen",
+            (uuid, index, name, backend, json.dumps(info, default=str), now, now)))
 
     def add_model(self, kind: str, path: str, n_samples: int, data_hash: str,
                   meta: dict[str, Any], *, activate: bool) -> int:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                if activate:
-                    self._db.execute("UPDATE models SET active=0")
-                cur = self._db.execute(
-                    "INSERT INTO models (created, kind, path, n_samples, data_hash, meta, active)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (time.time(), kind, path, n_samples, data_hash, json.dumps(meta),
-                     int(activate)))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return int(cur.lastrowid)
+        def add(db: sqlite3.Connection) -> int:
+            if activate:
+                db.execute("UPDATE models SET active=0")
+            return int(db.execute(
+                "INSERT INTO models (created, kind, path, n_samples, data_hash, meta, active)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (time.time(), kind, path, n_samples, data_hash, json.dumps(meta),
+                 int(activate))).lastrowid)
+
+        return self._write("record model", add)
 
     def activate_model(self, version: int) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("UPDATE models SET active = (version = ?)", (version,))
-            self._db.execute("COMMIT")
+        self._write("activate model", lambda db: db.execute(
+            "UPDATE models SET active = (version = ?)", (version,)))
 
     def unflag(self, uuids: Sequence[str] | None = None) -> int:
         """Make results taken while drifting usable for training again (rebaseline)."""
-        with self._lock:
-            if uuids is None:
-                return self._db.execute("UPDATE probes SET flagged = 0 WHERE flagged = 1"
-                                        ).rowcount
-            marks = ", ".join("?" for _ in uuids)
-            return self._db.execute(f"UPDATE probes SET flagged = 0 WHERE flagged = 1 AND "
-                                    f"device_uuid IN ({marks})", list(uuids)).rowcount
+        if uuids is None:
+            return self._write("unflag", lambda db: db.execute(
+                "UPDATE probes SET flagged = 0 WHERE flagged = 1").rowcount)
+        marks = ", ".join("?" for _ in uuids)
+        return self._write("unflag", lambda db: db.execute(
+            f"UPDATE probes SET flagged = 0 WHERE flagged = 1 AND device_uuid IN ({marks})",
+            list(uuids)).rowcount)
 
-    def prune(self, retention_days: float, max_rows: int, now: float | None = None) -> int:
-        """Delete probes older than the retention or beyond max_rows (oldest first)."""
+    def prune(self, retention_days: float | None, max_rows: int | None,
+              now: float | None = None, sources: Sequence[str] = (DAEMON_SOURCE,)) -> int:
+        """Delete probes of ``sources`` older than the retention or beyond ``max_rows``
+        (oldest first), each source on its own; other sources are never touched.
+
+        The daemon prunes its own probes only: imported measurements are the user's data,
+        removed only when asked (``gemmd prune --source NAME``). None: no limit.
+        """
         now = time.time() if now is None else now
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            n = self._db.execute("DELETE FROM probes WHERE ts < ?",
-                                 (now - retention_days * 86400,)).rowcount
-            n += self._db.execute(
-                "DELETE FROM probes WHERE id IN (SELECT id FROM probes ORDER BY ts DESC "
-                "LIMIT -1 OFFSET ?)", (max_rows,)).rowcount
-            self._db.execute("COMMIT")
-        return n
+
+        def prune(db: sqlite3.Connection) -> int:
+            n = 0
+            for source in sources:
+                if retention_days is not None:
+                    n += db.execute("DELETE FROM probes WHERE source = ? AND ts < ?",
+                                    (source, now - retention_days * 86400)).rowcount
+                if max_rows is not None:
+                    n += db.execute(
+                        "DELETE FROM probes WHERE id IN (SELECT id FROM probes WHERE source = ? "
+                        "ORDER BY ts DESC, id DESC LIMIT -1 OFFSET ?)",
+                        (source, int(max_rows))).rowcount
+            return n
+
+        return self._write("prune", prune)
+
+    def delete_source(self, source: str) -> int:
+        """Delete every probe of one source (e.g. an import, before importing it again)."""
+        return self._write("delete source", lambda db: db.execute(
+            "DELETE FROM probes WHERE source = ?", (source,)).rowcount)
 
     # ------------------------------------------------------------- reads
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
-            rows = self._db.execute(sql, args).fetchall()
+            try:
+                rows = self._db.execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise StoreError(f"store {self.path}: cannot read: {e}") from e
         return [_decode(dict(r)) for r in rows]
 
     def probes(self, *, sources: Sequence[str] | None = ("daemon",), device_uuid: str | None = None,
@@ -258,6 +549,45 @@ class Store:
             sql += f" LIMIT {int(limit)}"
         return self._query(sql, args)
 
+    def training_columns(self, sources: Sequence[str] = (DAEMON_SOURCE,),
+                         max_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]:
+        """Usable results (outcome ok, not flagged) of ``sources`` as columns, oldest first,
+        reading only what a fit needs (TRAINING_TEXT, TRAINING_NUMERIC), in chunks.
+
+        Returns (columns, rows matching). Beyond ``max_rows`` matching rows, each
+        configuration (TRAINING_GROUP) keeps its newest ``q`` repeats, with ``q`` the
+        largest quota that fits: every configuration stays (a single exploration probe as
+        much as a sentinel), the most repeated ones lose their oldest repeats. Numbers
+        are NaN where NULL; text is None where NULL.
+        """
+        marks = ", ".join("?" for _ in sources)
+        where = f"source IN ({marks}) AND outcome = 'ok' AND flagged = 0"
+        args = list(sources)
+        cols = ", ".join(TRAINING_TEXT + TRAINING_NUMERIC)
+        with self._lock:
+            try:
+                total = self._db.execute(f"SELECT COUNT(*) FROM probes WHERE {where}",
+                                         args).fetchone()[0]
+                if max_rows is None or total <= max_rows:
+                    sql = f"SELECT {cols} FROM probes WHERE {where} ORDER BY ts, id"
+                else:
+                    group = ", ".join(TRAINING_GROUP)
+                    counts = np.fromiter(
+                        (r[0] for r in self._db.execute(
+                            f"SELECT COUNT(*) FROM probes WHERE {where} GROUP BY {group}", args)),
+                        dtype=np.int64)
+                    q = _quota(counts, max_rows)
+                    ranked = (f"SELECT {cols}, id, ROW_NUMBER() OVER (PARTITION BY {group} "
+                              f"ORDER BY ts DESC, id DESC) AS rn FROM probes WHERE {where}")
+                    if q >= 1:
+                        sql = f"SELECT {cols} FROM ({ranked}) WHERE rn <= {q} ORDER BY ts, id"
+                    else:  # more configurations than max_rows: the newest ones, once each
+                        sql = (f"SELECT {cols} FROM (SELECT * FROM ({ranked}) WHERE rn = 1 "
+                               f"ORDER BY ts DESC, id DESC LIMIT {int(max_rows)}) ORDER BY ts, id")
+                return _read_columns(self._db, sql, args), total
+            except sqlite3.Error as e:
+                raise StoreError(f"store {self.path}: cannot read training data: {e}") from e
+
     def latest_per_probe(self, source: str = "daemon") -> list[dict[str, Any]]:
         """The newest sentinel result of every (device, probe configuration)."""
         return self._query(
@@ -269,6 +599,12 @@ class Store:
         return self._query("SELECT source, device_uuid, device_name, outcome, COUNT(*) AS n, "
                            "MAX(ts) AS last FROM probes GROUP BY source, device_uuid, outcome "
                            "ORDER BY source, device_uuid, outcome")
+
+    def sources(self) -> list[dict[str, Any]]:
+        """Rows per source: how many, on how many devices, first and last probe time."""
+        return self._query("SELECT source, COUNT(*) AS rows, COUNT(DISTINCT device_uuid) AS "
+                           "devices, MIN(ts) AS first, MAX(ts) AS last FROM probes GROUP BY "
+                           "source ORDER BY source = 'daemon' DESC, source")
 
     def devices(self) -> list[dict[str, Any]]:
         return self._query("SELECT * FROM devices ORDER BY idx, uuid")
@@ -286,6 +622,69 @@ class Store:
                 self._db.close()
             except sqlite3.Error as e:  # closing must never take the shutdown path down
                 logger.warning("store %s: close failed: %s", self.path, e)
+
+
+def _quota(counts: np.ndarray, cap: int) -> int:
+    """The largest q with sum(min(counts, q)) <= cap (0 if even q = 1 is too many)."""
+    lo, hi = 0, int(counts.max()) if len(counts) else 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if int(np.minimum(counts, mid).sum()) <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _read_columns(db: sqlite3.Connection, sql: str, args: Sequence[Any]
+                  ) -> dict[str, np.ndarray]:
+    """Run ``sql`` (selecting TRAINING_TEXT then TRAINING_NUMERIC) into numpy columns,
+    ``_CHUNK`` rows at a time: no per-row dicts, one string object per distinct value."""
+    names = TRAINING_TEXT + TRAINING_NUMERIC
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in names}
+    interned: dict[str, str] = {}
+    cur = db.cursor()
+    cur.row_factory = None
+    cur.execute(sql, args)
+    while chunk := cur.fetchmany(_CHUNK):
+        for c, values in zip(names, zip(*chunk)):
+            if c in TRAINING_TEXT:
+                parts[c].append(np.array([v if v is None else interned.setdefault(v, v)
+                                          for v in values], dtype=object))
+            else:
+                parts[c].append(np.array(values, dtype=np.float64))
+        del chunk
+    cur.close()
+    return {c: np.concatenate(p) if p else
+            np.zeros(0, dtype=object if c in TRAINING_TEXT else np.float64)
+            for c, p in parts.items()}
+
+
+def _hms(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _when(ts: float | None, now: float | None = None) -> str:
+    """A probe time for a log line: ISO date and time, and how long ago."""
+    if ts is None:
+        return "never"
+    now = time.time() if now is None else now
+    age = max(0.0, now - ts)
+    for unit, f in (("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= f:
+            ago = f"{age / f:.0f} {unit}"
+            break
+    else:
+        ago = f"{age:.0f} s"
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ts))}, {ago} ago"
 
 
 def _encode(col: str, v: Any) -> Any:

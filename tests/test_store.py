@@ -1,5 +1,7 @@
 """The SQLite store (gemmd/store.py), on real database files in tmp_path."""
 
+import json
+import logging
 import os
 import signal
 import sqlite3
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gemmd.errors import StoreError
-from gemmd.store import SCHEMA_VERSION, Store
+from gemmd.store import SCHEMA_VERSION, Store, StoreWriteError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,3 +186,277 @@ def test_committed_row_survives_sigkill(tmp_path):
         assert [(r["ts"], r["runtime_s"]) for r in rows] == [(42.0, 0.5)]
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------- retention (issue 12)
+
+
+def test_prune_by_age_leaves_imported_sources_alone(store):
+    now = 100 * 86400.0
+    old = now - 10 * 86400
+    store.insert_probes([row(ts=old), row(ts=now),
+                         row(ts=old, source="gpperf", kind="import"),
+                         row(ts=now, source="gpperf", kind="import")])
+    assert store.prune(retention_days=5, max_rows=1000, now=now) == 1
+    assert [r["ts"] for r in store.probes()] == [now]
+    assert [r["ts"] for r in store.probes(sources=("gpperf",))] == [now, old]
+
+
+def test_prune_max_rows_counts_and_deletes_the_daemons_probes_only(store):
+    # The import is older than every daemon probe: "oldest first" must not reach it.
+    store.insert_probes([row(ts=float(t), source="gpperf", kind="import") for t in (1, 2, 3)])
+    store.insert_probes([row(ts=float(t)) for t in (4, 5, 6, 7)])
+    assert store.prune(retention_days=1000, max_rows=2, now=10.0) == 2
+    assert [r["ts"] for r in store.probes()] == [7.0, 6.0]
+    assert len(store.probes(sources=("gpperf",))) == 3
+
+
+def test_prune_and_delete_a_named_source_on_request(store):
+    store.insert_probes([row(ts=float(t), source="gpperf", kind="import") for t in (1, 2, 3)])
+    store.insert_probes([row(ts=float(t)) for t in (4, 5)])
+    assert store.prune(None, 1, sources=("gpperf",)) == 2
+    assert [r["ts"] for r in store.probes(sources=("gpperf",))] == [3.0]
+    assert store.delete_source("gpperf") == 1
+    assert store.probes(sources=("gpperf",)) == [] and len(store.probes()) == 2
+
+
+def test_sources_summary(store):
+    store.insert_probes([row(ts=5.0), row(ts=7.0, device_uuid="GPU-b"),
+                         row(ts=3.0, source="gpperf", kind="import")])
+    got = {s["source"]: (s["rows"], s["devices"], s["first"], s["last"])
+           for s in store.sources()}
+    assert got == {"daemon": (2, 2, 5.0, 7.0), "gpperf": (1, 1, 3.0, 3.0)}
+    assert store.sources()[0]["source"] == "daemon"
+
+
+# ---------------------------------------------------------------- disk full (issue 12)
+
+
+def _fill(store):
+    """SQLITE_FULL on the next write that needs a new page, as on a full filesystem."""
+    n = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count={n}")
+
+
+def test_disk_full_fails_each_write_cleanly_logs_once_and_recovers(store, caplog):
+    store.insert_probe(row(ts=1.0))
+    _fill(store)
+    big = "x" * 6000  # needs pages the file cannot grow by
+    caplog.set_level(logging.INFO, logger="gemmd.store")
+    for i in range(5):
+        with pytest.raises(StoreWriteError) as e:
+            store.insert_probe(row(ts=2.0 + i, error=big))
+        assert e.value.full and e.value.reported
+        assert "rollback" not in str(e.value) and str(store.path) in str(e.value)
+        assert not store._db.in_transaction
+    assert store.failing and store.rows_not_written == 5
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "full" in errors[0] and str(store.path) in errors[0] and "free" in errors[0]
+    assert str(store.path.parent) in errors[0]
+    assert not any(r.exc_info for r in caplog.records)
+    # Space returns: the next write works, and one line says so with what was not written.
+    store._db.execute("PRAGMA max_page_count=1073741823")
+    store.insert_probe(row(ts=10.0, error=big))
+    back = [r.getMessage() for r in caplog.records if "work again after" in r.getMessage()]
+    assert len(back) == 1 and "5 probe result(s) were not written" in back[0]
+    assert not store.failing
+    assert [r["ts"] for r in store.probes()] == [10.0, 1.0]
+    store.insert_probe(row(ts=11.0))
+    assert len([r for r in caplog.records if "work again after" in r.getMessage()]) == 1
+
+
+def test_writes_failing_and_recovering_over_and_over_log_every_five_minutes(store, caplog,
+                                                                           monkeypatch):
+    import gemmd.store as store_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(store_mod, "_clock", lambda: now[0])
+    caplog.set_level(logging.INFO, logger="gemmd.store")
+    big = "x" * 6000
+    for _ in range(60):  # 10 minutes of a filesystem full 8 s out of every 10
+        _fill(store)
+        for _ in range(4):
+            with pytest.raises(StoreWriteError):
+                store.insert_probe(row(error=big))
+        now[0] += 8
+        store._db.execute("PRAGMA max_page_count=1073741823")
+        store.insert_probe(row())
+        now[0] += 2
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    failing = [x for x in lines if "writes failing" in x]
+    back = [x for x in lines if "work again after" in x]
+    assert len(failing) == 2 and len(back) == 2, lines  # t = 0 and 300 s, not 60 times
+    assert "intermittently" in failing[1]
+    assert "120 probe result(s) were not written" in back[1]  # 30 episodes x 4 since 300 s
+    # Still failing after a suppressed start: said once the window has passed.
+    _fill(store)
+    for _ in range(40):
+        with pytest.raises(StoreWriteError):
+            store.insert_probe(row(error=big))
+        now[0] += 10
+    assert store.failing
+    assert "writes failing" in [r.getMessage() for r in caplog.records][-1]
+
+
+def test_a_failed_prune_leaves_no_transaction_open(store):
+    store.insert_probes([row(ts=1.0), row(ts=2.0)])
+    store._db.execute("CREATE TEMP TRIGGER fail BEFORE DELETE ON probes "
+                      "BEGIN SELECT RAISE(FAIL, 'simulated write failure'); END")
+    with pytest.raises((StoreError, sqlite3.Error)):
+        store.prune(retention_days=0.01, max_rows=1, now=1e9)
+    store._db.execute("DROP TRIGGER fail")
+    assert not store._db.in_transaction
+    store.insert_probe(row(ts=3.0))  # not "cannot start a transaction within a transaction"
+    assert len(store.probes()) == 3
+
+
+# ---------------------------------------------------------------- damage (issue 12)
+
+
+def _filled(tmp_path, n=300):
+    path = tmp_path / "gemmd.db"
+    s = Store(path)
+    s.insert_probes([row(ts=float(i)) for i in range(n)])
+    s.close()
+    return path
+
+
+def test_a_malformed_page_is_refused_naming_the_file(tmp_path):
+    path = _filled(tmp_path)
+    with open(path, "r+b") as f:  # one page of the probes table overwritten
+        f.seek(4096 * 4)
+        f.write(os.urandom(4096))
+    with pytest.raises(StoreError, match="damaged") as e:
+        Store(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("DROP TABLE models", "table models is missing"),
+    ("DROP TABLE probes", "table probes is missing"),
+    ("ALTER TABLE probes DROP COLUMN out_dtype", "table probes lacks column(s) out_dtype"),
+])
+def test_a_broken_schema_is_refused(tmp_path, damage, problem):
+    path = _filled(tmp_path, 3)
+    db = sqlite3.connect(path)
+    db.execute(damage)
+    db.close()
+    with pytest.raises(StoreError, match="schema is broken") as e:
+        Store(path)
+    assert problem in str(e.value) and str(path) in str(e.value)
+
+
+def test_another_programs_database_is_refused(tmp_path):
+    path = tmp_path / "gemmd.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE notes (x)")
+    db.close()
+    with pytest.raises(StoreError, match="not gemmd's"):
+        Store(path)
+
+
+def test_a_read_only_store_is_refused(tmp_path, monkeypatch):
+    path = _filled(tmp_path, 3)
+    path.chmod(0o444)
+    if os.geteuid() == 0:  # root writes anyway: make access() answer as for another user
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == path
+                            and mode & os.W_OK else real(p, mode, **kw))
+    with pytest.raises(StoreError, match="not writable") as e:
+        Store(path)
+    assert str(path) in str(e.value)
+
+
+def test_an_empty_file_becomes_a_new_store_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "gemmd.db"
+    path.write_bytes(b"")
+    with caplog.at_level(logging.INFO, logger="gemmd.store"):
+        s = Store(path)
+    s.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("0-byte" in w and str(path) in w for w in warnings), warnings
+
+
+def test_open_logs_rows_found_and_last_probe_time(tmp_path, caplog):
+    path = _filled(tmp_path, 3)
+    s = Store(path)
+    s.insert_probe(row(ts=1e9, source="gpperf", kind="import"))
+    s.close()
+    with caplog.at_level(logging.INFO, logger="gemmd.store"):
+        Store(path).close()
+    (line,) = [r.getMessage() for r in caplog.records if "probe results" in r.getMessage()]
+    assert str(path) in line and "4 probe results" in line and "daemon 3" in line
+    assert "gpperf 1" in line and "2001-09-09" in line  # 1e9 in UTC; local may differ a day
+
+
+def _write_then_sigkill(path, ts):
+    """Rows committed by a process that is then killed: they are in the -wal only."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from gemmd.store import Store
+        s = Store({str(path)!r})
+        for t in {list(ts)!r}:
+            s.insert_probe({row()!r} | {{"ts": t}})
+        print("committed", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "committed", proc.stderr.read() if not line else line
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbled"])
+def test_a_lost_wal_after_a_crash_is_reported(tmp_path, caplog, damage):
+    path = _filled(tmp_path, 100)  # closed cleanly: checkpointed into gemmd.db
+    _write_then_sigkill(path, [1000.0 + i for i in range(44)])
+    wal = tmp_path / "gemmd.db-wal"
+    assert wal.stat().st_size > 0
+    if damage == "deleted":
+        wal.unlink()
+    else:
+        with open(wal, "r+b") as f:
+            f.write(os.urandom(32))  # the header: SQLite then ignores every frame
+    with caplog.at_level(logging.INFO, logger="gemmd.store"):
+        s = Store(path)
+    try:
+        assert len(s.probes()) == 100  # the 44 are gone; SQLite cannot know
+    finally:
+        s.close()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "100 probe results" in text  # what was found
+    assert "44 probe results are missing" in text, text
+
+
+def test_a_wal_lost_before_any_checkpoint_is_reported(tmp_path, caplog):
+    path = tmp_path / "gemmd.db"
+    _write_then_sigkill(path, [1000.0 + i for i in range(144)])
+    (tmp_path / "gemmd.db-wal").unlink()
+    with caplog.at_level(logging.INFO, logger="gemmd.store"):
+        Store(path).close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("144 probe results are missing" in w for w in warnings), warnings
+    assert any("no schema" in w for w in warnings), warnings
+
+
+def test_the_high_water_mark_follows_deliberate_deletes(tmp_path, caplog):
+    path = _filled(tmp_path, 5)
+    s = Store(path)
+    s.insert_probes([row(ts=9.0, source="x", kind="import")])
+    s.delete_source("x")
+    s.close()
+    assert json.loads((tmp_path / "gemmd.db-seen").read_text())["max_id"] == 5
+    with caplog.at_level(logging.WARNING, logger="gemmd.store"):
+        Store(path).close()
+    assert not caplog.records

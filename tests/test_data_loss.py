@@ -1,0 +1,319 @@
+"""Issue 12, data loss, above the store: the daemon's retention and refit, probe rounds on
+a full disk, bounded refits, and the CLI on damaged stores. Store-level cases are in
+test_store.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gemmd import datasets, importer, registry
+from gemmd.config import (
+    Config,
+    ExplorationConfig,
+    FakeConfig,
+    FakeDeviceConfig,
+    MeasureConfig,
+    ProbeGroup,
+)
+from gemmd.devices.fake import FakeDevice
+from gemmd.features import Table
+from gemmd.model import table_hash
+from gemmd.registry import ModelRegistry, training_data, training_table
+from gemmd.rounds import DeviceRunner
+from gemmd.state import State
+from gemmd.store import Store
+
+CUTLASS = """\
+timestamp,M,N,K,kernel,layout,cta_m,cta_n,cta_k,stages,epilogue,alpha,beta,runtime_ms,power_W
+1600000000,512,1024,2048,k,nt,64,128,32,2,lc,1,0,0.5,70.0
+1600000005,1024,1024,2048,k,nn,128,128,32,2,lc,0.5,0.5,0.9,[N/A]
+"""
+
+
+def _cfg(tmp_path, **over) -> Config:
+    base = Config()
+    probes = dataclasses.replace(
+        base.probes,
+        sentinels=(ProbeGroup(shapes=((1024, 1024, 1024), (4096, 4096, 4096)),
+                              dtypes=("bf16", "fp32")),),
+        exploration=(ExplorationConfig(per_round=2, m=(256, 4096), n=(256, 4096),
+                                       k=(256, 4096)),),
+        measure=MeasureConfig(window_s=0.1, warmup_s=0.0))
+    return dataclasses.replace(
+        base, backend="fake", state_dir=str(tmp_path), probes=probes,
+        listen=dataclasses.replace(base.listen, address="127.0.0.1", port=0),
+        budget=dataclasses.replace(base.budget, duty_cycle=1.0),
+        model=dataclasses.replace(base.model, min_samples=10, n_estimators=10),
+        fake=FakeConfig(devices=(FakeDeviceConfig(),)), **over)
+
+
+def _gemmd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gemmd", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---------------------------------------------------------------- retention
+
+
+def test_daemon_refit_prunes_its_own_probes_and_keeps_an_import(tmp_path):
+    from gemmd.daemon import Daemon
+
+    csv = tmp_path / "c.csv"
+    csv.write_text(CUTLASS)  # measured in 2020: far beyond any retention
+    cfg = _cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, retention_days=1.0))
+    d = Daemon(cfg)
+    try:
+        importer.import_dataset(d.store, datasets.load("auto", [csv]), "gpperf")
+        uuid = d.runners[0].device.info.uuid
+        d.store.insert_probe({"ts": 1.6e9, "source": "daemon", "kind": "sentinel",
+                              "device_uuid": uuid, "device_name": "x", "backend": "fake",
+                              "m": 1, "n": 1, "k": 1, "dtype": "fp32", "kernel": "blas",
+                              "tile": 0, "layout": "nn", "outcome": "ok", "runtime_s": 1.0})
+        d.runners[0].run_round()
+        d.refit()
+        assert len(d.store.probes(sources=("gpperf",))) == 2
+        daemon_ts = [r["ts"] for r in d.store.probes(outcome=None)]
+        assert daemon_ts and min(daemon_ts) > 1.6e9  # its own old probe went
+    finally:
+        d.stop()
+
+
+def test_status_shows_rows_per_source_and_prune_deletes_on_request(tmp_path):
+    s = Store(tmp_path / "gemmd.db")
+    csv = tmp_path / "c.csv"
+    csv.write_text(CUTLASS)
+    importer.import_dataset(s, datasets.load("auto", [csv]), "gpperf")
+    s.close()
+    r = _gemmd("status", "--state-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if "gpperf" in x)
+    assert "2 rows" in line and "2020-09-13" in line
+    assert "kept: until gemmd prune --source gpperf" in line
+    js = json.loads(_gemmd("status", "--state-dir", str(tmp_path), "--json").stdout)
+    assert [(x["source"], x["rows"]) for x in js["sources"]] == [("gpperf", 2)]
+
+    r = _gemmd("prune", "--state-dir", str(tmp_path), "--source", "nope", "--all")
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
+    assert "no such source" in r.stderr and "gpperf (2 rows)" in r.stderr
+    r = _gemmd("prune", "--state-dir", str(tmp_path), "--source", "gpperf")
+    assert r.returncode == 2 and "--older-than" in r.stderr
+    r = _gemmd("prune", "--state-dir", str(tmp_path), "--source", "gpperf", "--max-rows", "1")
+    assert r.returncode == 0 and "deleted 1 of 2 rows" in r.stdout, r.stderr
+    r = _gemmd("prune", "--state-dir", str(tmp_path), "--source", "gpperf", "--all")
+    assert r.returncode == 0 and "deleted 1 of 1 rows" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------- disk full
+
+
+def _fill(store):
+    n = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count={n}")
+
+
+def test_rounds_on_a_full_disk_keep_results_count_them_and_log_once(tmp_path, caplog):
+    cfg = _cfg(tmp_path)
+    store, state = Store(tmp_path / "gemmd.db"), State()
+    dev = FakeDevice(0, FakeDeviceConfig())
+    store.upsert_device(dev.info.uuid, 0, dev.info.name, "fake", dataclasses.asdict(dev.info))
+    runner = DeviceRunner(dev, cfg, store, state, ModelRegistry(store, tmp_path / "m",
+                                                                 cfg.model, state))
+    try:
+        runner.run_round()
+        stored = len(store.probes(outcome=None))
+        _fill(store)
+        caplog.clear()
+        caplog.set_level(logging.INFO)
+        lost = 0
+        for _ in range(4):
+            results = runner.run_round()
+            lost += len(results)
+            assert all(r.outcome == "ok" for r in results)
+        assert state.store_errors_total == lost == 24
+        assert len(state.probes) == 4  # every sentinel's latest result still served
+        assert len(store.probes(outcome=None)) == stored
+        problems = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(problems) == 1 and "full" in problems[0].getMessage()
+        assert not any(r.exc_info for r in caplog.records)
+        store._db.execute("PRAGMA max_page_count=1073741823")  # space is back
+        runner.run_round()
+        assert len(store.probes(outcome=None)) == stored + 6
+        back = [r.getMessage() for r in caplog.records if "work again after" in r.getMessage()]
+        assert len(back) == 1 and f"{lost} probe result(s) were not written" in back[0]
+    finally:
+        store.close()
+
+
+def test_refit_and_drift_save_on_a_full_disk_log_one_line_each(tmp_path, caplog,
+                                                                monkeypatch):
+    from gemmd.daemon import Daemon
+    from gemmd.model import ForestModel
+
+    d = Daemon(_cfg(tmp_path))
+    try:
+        for _ in range(3):
+            d.runners[0].run_round()
+
+        def full(*a, **k):
+            raise OSError(28, "No space left on device", str(tmp_path / "models" / "m.skops"))
+
+        monkeypatch.setattr(ForestModel, "save", full)
+        monkeypatch.setattr(d.state.drift, "save", full)
+        caplog.set_level(logging.INFO)
+        for _ in range(3):
+            d.refit()
+            d._save_drift()
+        assert d.state.model.refits_total["failed"] == 3
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 2, errors
+        assert any("refit failed: No space left on device" in e and "m.skops" in e
+                   for e in errors)
+        assert any("cannot save drift state" in e for e in errors)
+        assert not any(r.exc_info for r in caplog.records)
+        monkeypatch.undo()
+        d._save_drift()
+        assert any("drift state saved again" in r.getMessage() for r in caplog.records)
+    finally:
+        d.stop()
+
+
+# ---------------------------------------------------------------- bounded refits
+
+
+def _populate(store, n_rounds=30, seed=0):
+    """Two fake GPUs: 4 sentinels repeated every round, 2 unique exploration shapes per
+    round, some failed and flagged rows, an import with CUTLASS columns, an unknown device."""
+    rng = np.random.default_rng(seed)
+    devs = [FakeDevice(i, FakeDeviceConfig(model=m)) for i, m in
+            enumerate(("H100-SXM", "A100-SXM"))]
+    for d in devs:
+        store.upsert_device(d.info.uuid, d.info.index, d.info.name, "fake",
+                            dataclasses.asdict(d.info))
+    rows = []
+    for rnd in range(n_rounds):
+        for d in devs:
+            shapes = [(1024, "bf16"), (4096, "bf16"), (1024, "fp32"), (4096, "fp32")]
+            shapes += [(int(rng.integers(1, 64)) * 64, "fp32") for _ in range(2)]
+            for j, (s, dt) in enumerate(shapes):
+                rows.append({"ts": 1000.0 + rnd * 10 + j, "source": "daemon",
+                             "kind": "sentinel" if j < 4 else "exploration",
+                             "device_uuid": d.info.uuid, "device_index": d.info.index,
+                             "device_name": d.info.name, "backend": "fake", "m": s, "n": s,
+                             "k": s + j, "dtype": dt, "kernel": "blas", "tile": 0,
+                             "layout": "nn", "outcome": "failed" if rnd == 3 else "ok",
+                             "runtime_s": 1e-12 * s**3 * float(rng.lognormal(0, 0.02)),
+                             "power_w": None if j == 5 else 300.0 + rnd,
+                             "energy_j": 1.0, "flagged": rnd == 5, "context": {"x": 1}})
+    rows.append(dict(rows[0], device_uuid="GPU-gone"))
+    store.insert_probes(rows)
+    importer.import_dataset(store, _cutlass_ds(), "imp")
+
+
+def _cutlass_ds():
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "c.csv"
+        f.write_text(CUTLASS)
+        return datasets.load("auto", [f])
+
+
+@pytest.mark.parametrize("sources", [("daemon",), ("daemon", "imp"), ("imp",)])
+def test_training_table_is_the_rows_path_read_column_wise(store, sources):
+    _populate(store)
+    rows, infos = training_data(store, sources)
+    t, total = training_table(store, sources, max_rows=None)
+    ref = Table.from_rows(rows, infos)
+    assert total == len(rows) + (1 if "daemon" in sources else 0)  # + the unknown device
+    assert len(t) == len(rows) and table_hash(t) == table_hash(ref)
+    assert [d.uuid for d in t.devices] == [d.uuid for d in ref.devices]
+    assert sorted(t.cols) == sorted(ref.cols)
+
+
+def test_training_cap_keeps_every_configuration_and_the_newest_repeats(store):
+    _populate(store, n_rounds=30)
+    full, total = training_table(store, max_rows=None)
+    assert total == len(full) + 1
+    t, total2 = training_table(store, max_rows=200)
+    assert total2 == total and 150 <= len(t) <= 200
+    key = list(zip(t.device, t["m"], t["k"], t["dtype"]))
+    full_key = list(zip(full.device, full["m"], full["k"], full["dtype"]))
+    # Every configuration is still there; the most repeated ones (the sentinels, every
+    # round) were cut to the same quota of repeats, their newest.
+    assert set(key) == set(full_key)
+    quota = max(key.count(k) for k in set(key))
+    assert 1 < quota < 30
+    for k in set(full_key):
+        ts_all = sorted(full["ts"][[i for i, x in enumerate(full_key) if x == k]])
+        ts_kept = sorted(t["ts"][[i for i, x in enumerate(key) if x == k]])
+        assert ts_kept == ts_all[-min(len(ts_all), quota):]
+    assert list(t["ts"]) == sorted(t["ts"])  # oldest first, as before
+
+
+def test_training_cap_below_the_number_of_configurations(store):
+    _populate(store, n_rounds=30)
+    t, _ = training_table(store, max_rows=20)
+    assert len(t) == 20 and len(set(zip(t.device, t["m"], t["k"], t["dtype"]))) == 20
+
+
+def test_refit_reads_only_the_fits_columns_and_at_most_the_cap(tmp_path, monkeypatch):
+    store = Store(tmp_path / "gemmd.db")
+    try:
+        _populate(store, n_rounds=30)
+        statements: list[str] = []
+        store._db.set_trace_callback(statements.append)
+        monkeypatch.setattr(registry, "MAX_TRAINING_ROWS", 150)
+        cfg = dataclasses.replace(Config().model, min_samples=10, n_estimators=10)
+        reg = ModelRegistry(store, tmp_path / "models", cfg)
+        assert reg.refit() == "accepted"
+        assert reg.current.meta["n_samples"] <= 150
+        reads = [s for s in statements if "FROM probes" in s]
+        assert reads and not [s for s in reads if "SELECT *" in s or "context" in s], reads
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- damaged stores, CLI
+
+
+def _damaged(tmp_path):
+    s = Store(tmp_path / "gemmd.db")
+    s.insert_probes([{"ts": float(i), "source": "daemon", "kind": "sentinel",
+                      "device_uuid": "GPU-a", "device_name": "x", "backend": "fake", "m": 1,
+                      "n": 1, "k": 1, "dtype": "fp32", "kernel": "blas", "tile": 0,
+                      "layout": "nn", "outcome": "ok", "error": "e" * 200}
+                     for i in range(300)])
+    s.close()
+    with open(tmp_path / "gemmd.db", "r+b") as f:
+        f.seek(4096 * 4)
+        f.write(os.urandom(4096))
+
+
+@pytest.mark.parametrize("damage", ["malformed", "dropped"])
+@pytest.mark.parametrize("command", [["status"], ["run", "--backend", "fake", "--port", "0"]])
+def test_cli_on_a_damaged_store_prints_one_line_and_exits_1(tmp_path, damage, command):
+    if damage == "malformed":
+        _damaged(tmp_path)
+    else:
+        Store(tmp_path / "gemmd.db").close()
+        import sqlite3
+
+        db = sqlite3.connect(tmp_path / "gemmd.db")
+        db.execute("DROP TABLE probes")
+        db.close()
+    r = _gemmd(*command, "--state-dir", str(tmp_path))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("gemmd: error")]
+    assert len(lines) == 1 and str(tmp_path / "gemmd.db") in lines[0]
+    assert ("damaged" if damage == "malformed" else "table probes is missing") in lines[0]
