@@ -119,7 +119,7 @@ def child(mode: str, db: str, trees: int) -> None:
 
     from gemmd.config import ModelConfig
     from gemmd.model import ForestModel
-    from gemmd.registry import MAX_TRAINING_ROWS, ModelRegistry, training_data, training_table
+    from gemmd.registry import ModelRegistry, training_data, training_table
     from gemmd.store import Store
 
     store = Store(db, check=False)
@@ -129,7 +129,7 @@ def child(mode: str, db: str, trees: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         reg = ModelRegistry(store, Path(tmp), cfg)
         if mode == "bounded":  # ModelRegistry.refit's first fit, step by step
-            t, _ = training_table(store, max_rows=MAX_TRAINING_ROWS)
+            t, _ = training_table(store, max_rows=ModelConfig().max_training_rows)
             load_mib, load_s = _peak_rss_mib(), time.perf_counter() - t0
             reg.register(ForestModel.fit_table(t, cfg))
         else:  # the refit as it was: every row as a dict, then fit and register

@@ -146,6 +146,9 @@ class ModelConfig:
     # Before enough samples exist, predicted runtime = roofline bound / this efficiency.
     roofline_efficiency: float = _f(0.7, min=0.01, max=1.0)
     seed: int = _f(0, min=0, max=2**31 - 1)
+    # Most stored probes one refit reads (bounds its memory and time whatever
+    # store.max_rows is; each configuration keeps its newest repeats). 0 = no cap.
+    max_training_rows: int = _f(200_000, min=0, max=100_000_000)
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,6 @@ from gemmd.store import Store
 
 logger = logging.getLogger(__name__)
 
-# Most stored probes one refit reads (model.max_training_rows, when the configuration has
-# it): bounds a refit's memory and time whatever the store's max_rows. Beyond it, every
-# configuration keeps its newest repeats (see Store.training_columns).
-MAX_TRAINING_ROWS = 200_000
-
-
 def device_infos(store: Store) -> dict[str, DeviceInfo]:
     out = {}
     fields = {f.name for f in dataclasses.fields(DeviceInfo)}
@@ -55,7 +49,7 @@ def training_data(store: Store, sources: Sequence[str] = ("daemon",)
 
 
 def training_table(store: Store, sources: Sequence[str] = ("daemon",),
-                   max_rows: int | None = MAX_TRAINING_ROWS) -> tuple[Table, int]:
+                   max_rows: int | None = 200_000) -> tuple[Table, int]:
     """What ``training_data`` gives, as a Table (with ``ts``), read column-wise and bounded:
     (table, rows matching before the cap). Same rows, same order, same table when the
     store holds at most ``max_rows`` usable probes."""
@@ -145,7 +139,7 @@ class ModelRegistry:
 
     def _refit(self, sources: Sequence[str], force: bool,
                cancel: threading.Event | None = None) -> str:
-        cap = getattr(self.cfg, "max_training_rows", MAX_TRAINING_ROWS) or None
+        cap = self.cfg.max_training_rows or None  # beyond it, see Store.training_columns
         t, total = training_table(self.store, sources, cap)
         if len(t) < total:
             logger.info("refit: training on %d of %d stored probes (model.max_training_rows "

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from gemmd import datasets, importer, registry
+from gemmd import datasets, importer
 from gemmd.config import (
     Config,
     ExplorationConfig,
@@ -272,8 +272,8 @@ def test_refit_reads_only_the_fits_columns_and_at_most_the_cap(tmp_path, monkeyp
         _populate(store, n_rounds=30)
         statements: list[str] = []
         store._db.set_trace_callback(statements.append)
-        monkeypatch.setattr(registry, "MAX_TRAINING_ROWS", 150)
-        cfg = dataclasses.replace(Config().model, min_samples=10, n_estimators=10)
+        cfg = dataclasses.replace(Config().model, min_samples=10, n_estimators=10,
+                                  max_training_rows=150)
         reg = ModelRegistry(store, tmp_path / "models", cfg)
         assert reg.refit() == "accepted"
         assert reg.current.meta["n_samples"] <= 150
