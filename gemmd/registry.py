@@ -94,7 +94,11 @@ class ModelRegistry:
         active = [m for m in models if m["active"]]
         for rec in active + [m for m in models if not m["active"]]:
             try:
-                model = ForestModel.load(rec["path"], rec["meta"].get("sha256"))
+                sha = rec["meta"].get("sha256") if isinstance(rec["meta"], dict) else None
+                if not sha:  # every registered model has one: its absence is tampering
+                    raise ModelError(f"model file {rec['path']} has no recorded checksum in "
+                                     "the store; refusing to load it unverified")
+                model = ForestModel.load(rec["path"], sha)
             except ModelError as e:
                 logger.error("model %d unusable: %s", rec["version"], e)
                 continue

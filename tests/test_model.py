@@ -272,3 +272,29 @@ def test_a_forest_fitted_on_other_features_is_refused(tmp_path, fitted):
               "meta": json.dumps(model.meta)}, path)
     with pytest.raises(ModelError, match="prediction intervals"):
         ForestModel.load(path)
+
+
+def test_a_model_whose_checksum_was_removed_from_the_store_is_refused(tmp_path, dev, fitted,
+                                                                      caplog):
+    import json
+
+    model, _ = fitted
+    store = Store(tmp_path / "gemmd.db")
+    try:
+        store.upsert_device(dev.info.uuid, 0, dev.info.name, "fake",
+                            dataclasses.asdict(dev.info))
+        reg = ModelRegistry(store, tmp_path / "models", ModelConfig(n_estimators=10), State())
+        v = reg.register(model)
+        rec = next(m for m in store.models() if m["version"] == v)
+        meta = dict(rec["meta"])
+        meta.pop("sha256")
+        with store._db:
+            store._db.execute("UPDATE models SET meta = ? WHERE version = ?",
+                              (json.dumps(meta), v))
+        fresh = ModelRegistry(store, tmp_path / "models", ModelConfig(), State())
+        with caplog.at_level("ERROR"):
+            fresh.load_active()
+        assert fresh.current.version == "roofline"
+        assert "no recorded checksum" in caplog.text
+    finally:
+        store.close()
