@@ -23,14 +23,13 @@ import time
 
 import numpy as np
 
-from gemmd.config import FakeDeviceConfig, MeasureConfig, ModelConfig
+from gemmd.config import DriftConfig, FakeDeviceConfig, MeasureConfig, ModelConfig
 from gemmd.devices.fake import FakeDevice
 from gemmd.drift import (
     ALPHA,
     RHO_MAX,
     Z_CAP,
     DriftMonitor,
-    DriftParams,
     Track,
     measured_of,
     predicted_of,
@@ -42,7 +41,7 @@ from gemmd.probes import as_row, measure
 
 ROUND_S = 120.0
 ROUNDS_PER_YEAR = int(365 * 86400 / ROUND_S)
-P = DriftParams()  # the shipped defaults
+P = DriftConfig()  # the shipped defaults
 SENTINELS = [ProbeSpec(4096, 4096, 4096, "bf16"), ProbeSpec(4096, 4096, 4096, "fp32"),
              ProbeSpec(8192, 8192, 8192, "bf16"), ProbeSpec(8192, 8192, 8192, "fp32"),
              ProbeSpec(1024, 1024, 1024, "fp32", "tiled", 16),

@@ -7,6 +7,7 @@ one line per problem on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -119,12 +120,8 @@ def _probe_overrides(args: argparse.Namespace, cfg: Config) -> Config:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from gemmd.daemon import state_store
-    from gemmd.devices import open_devices
-    from gemmd.registry import ModelRegistry
-    from gemmd.rounds import DeviceRunner
-    from gemmd.state import State
-    from gemmd.store import Store
+    from gemmd import runtime
+    from gemmd.rounds import device_label
 
     cfg = _probe_overrides(args, _load_config(args))
     if args.window is not None:
@@ -134,35 +131,26 @@ def cmd_probe(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule,
                                                                 skip_when_busy=not args.force))
     setup_logging(args.log_level or cfg.log_level)
-    tmp = None
-    if args.no_store:
-        tmp = tempfile.TemporaryDirectory(prefix="gemmd-probe-")
-        state_dir, store = Path(tmp.name), Store(Path(tmp.name) / "gemmd.db")
-    else:
-        state_dir, store = state_store(cfg)
-    state = State()
-    registry = ModelRegistry(store, state_dir / "models", cfg.model, state)
-    registry.load_active()
-    devices = open_devices(cfg)
-    rows: list[dict[str, Any]] = []
-    try:
-        for d in devices:
-            store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
-                                dataclasses.asdict(d.info))
-            # One round runs every planned probe: the duty-cycle budget is for the daemon.
-            runner = DeviceRunner(d, cfg, store, state, registry, budget_s=math.inf)
+    with contextlib.ExitStack() as stack:
+        state_dir = None
+        if args.no_store:
+            state_dir = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="gemmd-probe-")))
+        # One round runs every planned probe: the duty-cycle budget is for the daemon.
+        rt = runtime.build(cfg, state_dir=state_dir, budget_s=math.inf)
+        stack.callback(rt.store.close)
+        stack.callback(rt.close_devices)
+        registry = rt.registry
+        registry.load_active()
+        rows: list[dict[str, Any]] = []
+        for runner in rt.runners:
+            d = runner.device
             for r in runner.run_round():
                 rows.append(_result_row(d, r))
-            ds = state.devices[d.info.uuid]
-            for reason, n in ds.skipped_total.items():
+            for reason, n in rt.state.devices[d.info.uuid].skipped_total.items():
                 if n and reason not in ("duty_cycle",):
-                    print(f"GPU {d.info.index}: {n} probe(s) skipped: {reason}", file=sys.stderr)
-    finally:
-        for d in devices:
-            d.close()
-        store.close()
-        if tmp:
-            tmp.cleanup()
+                    print(f"{device_label(d.info)}: {n} probe(s) skipped: {reason}",
+                          file=sys.stderr)
     _print_rows(rows, args.format, registry.current.version)
     failed = [r for r in rows if r["outcome"] in ("failed", "mismatch")]
     return EXIT_RUNTIME if failed else 0
@@ -302,7 +290,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_rebaseline(args: argparse.Namespace) -> int:
     """Accept the current behaviour of devices as their new normal."""
-    from gemmd.daemon import REBASELINE_REQUEST
+    from gemmd import rebaseline
     from gemmd.store import Store
 
     cfg = _load_config(args)
@@ -322,13 +310,9 @@ def cmd_rebaseline(args: argparse.Namespace) -> int:
                     have = ", ".join(f"{d['idx']}={d['uuid']}" for d in known) or "none"
                     raise InputError(f"--device {sel}: no such device in {db} (known: {have})")
                 uuids.extend(h for h in hit if h not in uuids)
-        n = store.unflag(uuids)
+        n = rebaseline.request(state_dir, store, uuids)
     finally:
         store.close()
-    req = state_dir / REBASELINE_REQUEST
-    tmp = req.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"devices": uuids, "ts": time.time()}))
-    os.replace(tmp, req)
     who = ", ".join(uuids) if uuids else "all devices"
     print(f"rebaseline {who}: {n} stored result(s) taken while drifting now count for "
           "training; a running daemon resets its drift references within 5 s (otherwise at "

@@ -72,9 +72,9 @@ def _store(args: argparse.Namespace, must_exist: bool = True):
         raise GemmdError(f"no store at {db} (import data or run the daemon first; see "
                          "state_dir)")
     if not must_exist:
-        from gemmd.daemon import state_store
+        from gemmd.runtime import open_state_dir
 
-        return cfg, state_store(cfg)[1]
+        return cfg, open_state_dir(cfg)[1]
     return cfg, Store(db)
 
 

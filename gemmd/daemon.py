@@ -7,114 +7,58 @@ stop within ``STOP_TIMEOUT_S``; a probe that does not return in time is abandone
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
 import threading
 import time
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
+from gemmd import rebaseline
 from gemmd.config import Config
-from gemmd.devices import Device, open_devices
-from gemmd.drift import DriftMonitor, DriftParams, residual_of
+from gemmd.devices import Device
+from gemmd.drift import residual_of
 from gemmd.errors import GemmdError
 from gemmd.exporter import Exposition, serve
 from gemmd.features import spec_of
 from gemmd.gemm import COLUMN, ProbeSpec
 from gemmd.probes import Measurement
-from gemmd.registry import ModelRegistry
-from gemmd.rounds import DeviceRunner
-from gemmd.state import ProbeState, State
-from gemmd.store import DAEMON_SOURCE, Store
+from gemmd.rounds import DeviceRunner, device_label
+from gemmd.runtime import build
+from gemmd.state import ProbeState
+from gemmd.store import DAEMON_SOURCE
+from gemmd.systemd import sd_notify, watchdog_interval
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 8.0  # leaves headroom under systemd's and the tests' 10 s
-REBASELINE_REQUEST = "rebaseline.request"  # written by `gemmd rebaseline`
-
-
-def sd_notify(message: str) -> bool:
-    """Send a systemd notification (READY=1, WATCHDOG=1, STOPPING=1...) if asked to."""
-    addr = os.environ.get("NOTIFY_SOCKET")
-    if not addr:
-        return False
-    if addr.startswith("@"):
-        addr = "\0" + addr[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            s.sendall(message.encode())
-        return True
-    except OSError as e:
-        logger.warning("systemd notify failed (%s): %s", message.split("=")[0], e)
-        return False
-
-
-def watchdog_interval() -> float | None:
-    """Half of systemd's WatchdogSec, when it applies to this process."""
-    usec = os.environ.get("WATCHDOG_USEC")
-    pid = os.environ.get("WATCHDOG_PID")
-    if not usec or (pid and pid != str(os.getpid())):
-        return None
-    try:
-        return int(usec) / 2e6
-    except ValueError:
-        return None
-
-
-def state_store(cfg: Config) -> tuple[Path, Store]:
-    state_dir = cfg.resolved_state_dir()
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GemmdError(f"state_dir {state_dir}: cannot create: {e.strerror}") from e
-    if not os.access(state_dir, os.W_OK):
-        raise GemmdError(f"state_dir {state_dir}: not writable by this user")
-    return state_dir, Store(state_dir / "gemmd.db")
 
 
 class Daemon:
+    """Start, stop and the jobs; the parts come from gemmd.runtime."""
+
     def __init__(self, cfg: Config, devices: list[Device] | None = None):
         self.cfg = cfg
-        self.state_dir, self.store = state_store(cfg)
-        self.state = State()
-        self.registry = ModelRegistry(self.store, self.state_dir / "models", cfg.model,
-                                      self.state)
-        self.devices = devices if devices is not None else open_devices(cfg)
-        if not self.devices:
-            raise GemmdError("no devices to probe (check 'devices' and 'backend')")
-        self.state.probe_interval_s = cfg.schedule.probe_interval_s
-        d = cfg.drift
-        self.state.drift = DriftMonitor(
-            DriftParams(shift=d.shift, arl0=d.arl0, baseline_probes=d.baseline_probes,
-                        min_scale=d.min_scale, accept_after_s=d.accept_after_s,
-                        targets=d.targets), self.state_dir / "drift.json")
-        self.cancel = threading.Event()
+        rt = build(cfg, devices=devices)
+        self.runtime = rt
+        self.state_dir, self.store, self.state = rt.state_dir, rt.store, rt.state
+        self.registry, self.devices, self.runners = rt.registry, rt.devices, rt.runners
+        self.cancel = rt.cancel
         self.stopping = threading.Event()
         self._first_fit = threading.Event()
         self._first_fit_lock = threading.Lock()
         self._refit_lock = threading.Lock()
         self._refit_error: str | None = None  # the last refit's failure, logged once
         self._drift_save_failing = False
-        self.runners: list[DeviceRunner] = []
-        for d in self.devices:
-            self.store.upsert_device(d.info.uuid, d.info.index, d.info.name, d.info.backend,
-                                     _info_dict(d))
-            self.runners.append(DeviceRunner(d, cfg, self.store, self.state, self.registry,
-                                             self.cancel))
         self.scheduler: Any = None  # APScheduler's BackgroundScheduler, made in start()
-        self.httpd = None
+        self.httpd: Any = None
         self.port: int | None = None
 
     # ----------------------------------------------------------------- start
     def start(self) -> None:
         self.registry.load_active()
         if self.state.drift.model_version != self.registry.current.version:
-            self._rereference()
-        self._apply_rebaseline_request()
+            self.rereference()
+        self.apply_rebaseline_request()
         self._restore()
         self._serve()
         cfg = self.cfg.schedule
@@ -185,7 +129,7 @@ class Daemon:
         try:
             runner.run_round()
         except Exception:  # one device's bug must never stop the others
-            logger.exception("GPU %s: probe round crashed", runner.device.info.index)
+            logger.exception("%s: probe round crashed", runner.label)
         self._save_drift()
         if self.registry.current.kind == "roofline" and self.scheduler and \
                 not self.stopping.is_set() and not self._first_fit.is_set():
@@ -209,7 +153,7 @@ class Daemon:
             logger.info("refit: %s", outcome)
             self._refit_error = None
             if outcome == "accepted":
-                self._rereference()
+                self.rereference()
             if outcome == "insufficient_data":
                 self._first_fit.clear()  # try again after the next round
         except (OSError, GemmdError) as e:
@@ -250,7 +194,7 @@ class Daemon:
             logger.warning("drift state saved again")
             self._drift_save_failing = False
 
-    def _rereference(self) -> None:
+    def rereference(self) -> None:
         """Re-take drift references under the current model from stored healthy results.
 
         Results taken while a device was flagged are not used, so a degradation that is
@@ -285,28 +229,13 @@ class Daemon:
         self._save_drift()
         logger.info("drift references re-taken under model %s", self.registry.current.version)
 
-    def _apply_rebaseline_request(self) -> None:
-        path = self.state_dir / REBASELINE_REQUEST
-        if not path.exists():
-            return
-        try:
-            req = json.loads(path.read_text())
-            uuids = req.get("devices")
-        except (OSError, ValueError) as e:
-            logger.error("ignoring unreadable %s: %s", path, e)
-            path.unlink(missing_ok=True)
-            return
-        with self.state.lock:
-            for uuid in uuids if uuids is not None else [None]:
-                self.state.drift.rebaseline(uuid)
-        self.store.unflag(uuids)
-        path.unlink(missing_ok=True)
-        self._save_drift()
-        logger.warning("rebaseline of %s: drift references reset; results taken while "
-                       "drifting now count for training", ", ".join(uuids or ["all devices"]))
+    def apply_rebaseline_request(self) -> None:
+        """Apply a pending `gemmd rebaseline` (see gemmd.rebaseline)."""
+        if rebaseline.apply_request(self.state_dir, self.state, self.store):
+            self._save_drift()
 
     def _watchdog(self) -> None:
-        self._apply_rebaseline_request()
+        self.apply_rebaseline_request()
         timeout = self.cfg.probes.measure.timeout_s
         for r in self.runners:
             since = self.state.devices[r.device.info.uuid].in_flight_since
@@ -335,24 +264,17 @@ class Daemon:
             self.scheduler.shutdown(wait=False)
         clean = True
         for r in self.runners:
-            left = max(0.0, deadline - time.monotonic())
-            if r._round_lock.acquire(timeout=left):
-                r._round_lock.release()
-            else:
+            if not r.wait_idle(max(0.0, deadline - time.monotonic())):
                 clean = False
-                logger.warning("GPU %s: probe did not stop in time; abandoned",
-                               r.device.info.index)
+                logger.warning("%s: probe did not stop in time; abandoned", r.label)
         # A refit cannot be interrupted inside scikit-learn: wait until the deadline, then
         # leave it (it registers nothing once stopping is set) and keep the store open.
         refit_done = self._refit_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not refit_done:
             clean = False
             logger.warning("refit still running at shutdown; abandoned")
-        for d in self.devices:
-            try:
-                d.close()
-            except Exception as e:
-                logger.warning("GPU %s: close failed: %s", d.info.index, e)
+        for d, e in self.runtime.close_devices():
+            logger.warning("%s: close failed: %s", device_label(d.info), e)
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
@@ -361,12 +283,6 @@ class Daemon:
             self._refit_lock.release()
         logger.info("stopped")
         return clean
-
-
-def _info_dict(d: Device) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(d.info)
 
 
 def _measurement_from_row(row: dict) -> Measurement:

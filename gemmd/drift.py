@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemmd.config import DriftConfig
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 
 logger = logging.getLogger(__name__)
@@ -166,22 +167,15 @@ def residual_of(measured: float | None, predicted: float | None) -> float | None
     return math.log(measured / predicted)
 
 
-@dataclass(frozen=True)
-class DriftParams:
-    shift: float = 0.05
-    arl0: float = 5e6
-    baseline_probes: int = 10
-    min_scale: float = 0.01
-    accept_after_s: float = 0.0
-    targets: tuple[str, ...] = TARGETS
-    use_model_sigma: bool = False
-
-
 class DriftMonitor:
-    """All tracks of a daemon; thread-safe use is the caller's (under State.lock)."""
+    """All tracks of a daemon, configured by the ``drift`` section of the configuration;
+    thread-safe use is the caller's (under State.lock). ``use_model_sigma`` also floors a
+    track's residual scale by the model's own uncertainty (off: see bench/RESULTS.md)."""
 
-    def __init__(self, params: DriftParams, path: Path | None = None):
-        self.p = params
+    def __init__(self, cfg: DriftConfig | None = None, path: Path | None = None, *,
+                 use_model_sigma: bool = False):
+        self.p = cfg or DriftConfig()
+        self.use_model_sigma = use_model_sigma
         self.path = path
         self.tracks: dict[tuple[str, ProbeSpec, str], Track] = {}
         self.model_version: str | None = None  # the model the references were taken under
@@ -209,7 +203,7 @@ class DriftMonitor:
             tr = self.tracks.setdefault((uuid, spec, target), Track())
             if update(tr, r, sigma.get(target, 0.0), shift=self.p.shift, arl0=self.p.arl0,
                       baseline_probes=self.p.baseline_probes, min_scale=self.p.min_scale,
-                      now=now, use_model_sigma=self.p.use_model_sigma):
+                      now=now, use_model_sigma=self.use_model_sigma):
                 raised.append(target)
         if self.p.accept_after_s and self.device_drifting(uuid):
             since = min(t.since for (u, _, _), t in self.tracks.items()
@@ -241,7 +235,7 @@ class DriftMonitor:
                 self.tracks[(uuid, spec, target)] = Track(alarms=tr.alarms)
             return
         set_reference(tr, list(reversed(residuals)),  # oldest first, as they happened
-                      max(self.p.min_scale, model_sigma if self.p.use_model_sigma else 0.0),
+                      max(self.p.min_scale, model_sigma if self.use_model_sigma else 0.0),
                       keep_noise=True)
 
     # ------------------------------------------------------------------ persistence

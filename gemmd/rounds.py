@@ -87,6 +87,13 @@ class DeviceRunner:
         with self.state.lock:
             self._ds.skipped_total[reason] += n
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a round in progress to end; True if none runs."""
+        if self._round_lock.acquire(timeout=timeout):
+            self._round_lock.release()
+            return True
+        return False
+
     def run_round(self) -> list[Result]:
         """Run one round; never raises for device trouble (it is recorded instead)."""
         if not self._round_lock.acquire(blocking=False):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gemmd.devices.base import DeviceInfo
-from gemmd.drift import DriftMonitor, DriftParams, Track
+from gemmd.drift import DriftMonitor, Track
 from gemmd.gemm import ProbeSpec
 from gemmd.model import Prediction
 from gemmd.probes import Measurement
@@ -77,14 +77,19 @@ class VersionedLock:
 
 
 class State:
-    def __init__(self) -> None:
+    """What a scrape reads (the daemon's live state), under one versioned lock.
+
+    ``drift`` is the configured drift monitor (the runtime passes it; a bare State, as in
+    tests, gets one with the default configuration)."""
+
+    def __init__(self, drift: DriftMonitor | None = None) -> None:
         self.lock = VersionedLock()
         self.started = time.time()
         self.devices: dict[str, DeviceState] = {}
         self.probes: dict[tuple[str, ProbeSpec], ProbeState] = {}
         self.model = ModelState()
         self.store_errors_total = 0
-        self.drift: DriftMonitor = DriftMonitor(DriftParams())
+        self.drift: DriftMonitor = drift or DriftMonitor()
         self.probe_interval_s: float | None = None
 
     @property

@@ -11,8 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from gemmd.config import Config, FakeConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
-from gemmd.drift import DriftMonitor, DriftParams, Track, update
+from gemmd.config import (
+    Config,
+    DriftConfig,
+    FakeConfig,
+    FakeDeviceConfig,
+    MeasureConfig,
+    ProbeGroup,
+)
+from gemmd.drift import DriftMonitor, Track, update
 from gemmd.gemm import ProbeSpec
 
 P = {"shift": 0.05, "arl0": 5e6, "baseline_probes": 5, "min_scale": 0.01}
@@ -86,7 +93,7 @@ def test_faster_than_predicted_never_alarms():
 
 def test_monitor_targets_device_flag_rebaseline_and_persistence(tmp_path):
     path = tmp_path / "drift.json"
-    mon = DriftMonitor(DriftParams(**P), path)
+    mon = DriftMonitor(DriftConfig(**P), path)
     meas = {"runtime": 1.0, "power": 500.0, "energy": 0.5}
     sig = {"runtime": 0.02, "power": 0.02, "energy": 0.02}
     for _ in range(5):
@@ -97,7 +104,7 @@ def test_monitor_targets_device_flag_rebaseline_and_persistence(tmp_path):
     assert mon.device_drifting("GPU-a") and not mon.device_drifting("GPU-b")
     mon.model_version = "rf-3"
     mon.save()
-    again = DriftMonitor(DriftParams(**P), path)
+    again = DriftMonitor(DriftConfig(**P), path)
     assert again.device_drifting("GPU-a") and again.model_version == "rf-3"
     assert again.rebaseline("GPU-a") == 3
     assert not again.device_drifting("GPU-a")
@@ -105,7 +112,7 @@ def test_monitor_targets_device_flag_rebaseline_and_persistence(tmp_path):
 
 
 def test_accept_after_s_takes_the_new_behaviour_as_normal():
-    mon = DriftMonitor(DriftParams(**P, accept_after_s=3600, targets=("runtime",)))
+    mon = DriftMonitor(DriftConfig(**P, accept_after_s=3600, targets=("runtime",)))
     base, slow, sig = {"runtime": 1.0}, {"runtime": 1.1}, {"runtime": 0.02}
     for t in range(5):
         mon.observe("g", SPEC, base, base, sig, now=t)
@@ -119,12 +126,12 @@ def test_accept_after_s_takes_the_new_behaviour_as_normal():
 def test_damaged_state_file_starts_over(tmp_path, caplog):
     path = tmp_path / "drift.json"
     path.write_text("{not json")
-    mon = DriftMonitor(DriftParams(**P), path)
+    mon = DriftMonitor(DriftConfig(**P), path)
     assert mon.tracks == {} and "unreadable" in caplog.text
 
 
 def test_rereference_keeps_an_alarm_under_a_new_model():
-    mon = DriftMonitor(DriftParams(**P, targets=("runtime",)))
+    mon = DriftMonitor(DriftConfig(**P, targets=("runtime",)))
     base, sig = {"runtime": 1.0}, {"runtime": 0.02}
     for _ in range(5):
         mon.observe("g", SPEC, base, base, sig)
@@ -154,8 +161,9 @@ def _cfg(tmp_path, **fake):
 
 
 def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
-    from gemmd.daemon import REBASELINE_REQUEST, Daemon
+    from gemmd.daemon import Daemon
     from gemmd.exporter import assemble
+    from gemmd.rebaseline import REQUEST as REBASELINE_REQUEST
 
     d = Daemon(_cfg(tmp_path))
     try:
@@ -164,7 +172,7 @@ def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
                 r.run_round()
         # Drift needs a fitted model: the roofline's interval spans 2x, a 5% step is noise.
         assert d.registry.refit() == "accepted"
-        d._rereference()
+        d.rereference()
         slowed = d.runners[1]
         slowed.device.cfg = FakeDeviceConfig(slowdown_factor=1.05)
         for _ in range(4):
@@ -188,7 +196,7 @@ def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
         assert r.returncode == 0, r.stderr
         assert json.loads((tmp_path / REBASELINE_REQUEST).read_text())["devices"] == [uuid1]
         assert not [r for r in d.store.probes(include_flagged=True) if r["flagged"]]
-        d._apply_rebaseline_request()
+        d.apply_rebaseline_request()
         assert not d.state.drift.device_drifting(uuid1)
         assert not (tmp_path / REBASELINE_REQUEST).exists()
     finally:
@@ -208,7 +216,7 @@ def test_rebaseline_unknown_device_is_a_clear_error(tmp_path):
 def test_results_predicted_by_another_model_are_not_judged():
     """A refit swaps the model before references are re-taken: results in between would be
     judged against the old model's reference (a false alarm on a healthy GPU)."""
-    mon = DriftMonitor(DriftParams(**P, targets=("runtime",)))
+    mon = DriftMonitor(DriftConfig(**P, targets=("runtime",)))
     mon.model_version = "rf-1"
     base, sig = {"runtime": 1.0}, {"runtime": 0.02}
     for _ in range(5):
@@ -224,3 +232,20 @@ def test_one_outlier_cannot_raise_an_alarm_alone():
     _feed(tr, [0.0] * 5)
     assert _feed(tr, [math.log(3.0)]) == [False]  # z ~ 110, capped at 4: S = 1.56 < h 2.5
     assert _feed(tr, [0.0] * 3) == [False] * 3 and tr.cusum == 0.0
+
+
+def test_the_runtime_drifts_by_the_configured_drift_section(tmp_path):
+    """State() used to build a DriftMonitor on built-in defaults that only the daemon
+    replaced: gemmd probe judged drift by the defaults, not the configuration."""
+    from gemmd import runtime
+
+    cfg = _cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, drift=dataclasses.replace(cfg.drift, shift=0.2,
+                                                             baseline_probes=3))
+    rt = runtime.build(cfg)
+    try:
+        assert rt.state.drift.p is cfg.drift
+        assert rt.state.drift.path == tmp_path / "drift.json"
+    finally:
+        rt.close_devices()
+        rt.store.close()
