@@ -68,7 +68,11 @@ class Daemon:
 
         self.scheduler = BackgroundScheduler(
             executors={"default": ThreadPoolExecutor(len(self.runners) + 2)},
-            job_defaults={"coalesce": True, "max_instances": 1,
+            # Two instances: while a round hangs (thread isolation), the next one starts,
+            # finds the device's round lock taken and returns at once. With one, APScheduler
+            # logged "maximum number of running instances reached" every interval, forever;
+            # the round lock is what keeps a device's rounds from overlapping.
+            job_defaults={"coalesce": True, "max_instances": 2,
                           "misfire_grace_time": int(cfg.probe_interval_s)},
             timezone="UTC")
         now = datetime.now().astimezone()

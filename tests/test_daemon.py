@@ -1,0 +1,36 @@
+"""The daemon's scheduling, in process."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from gemmd.config import Config, FakeConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
+from gemmd.daemon import Daemon
+
+
+def test_a_hung_device_in_thread_isolation_does_not_log_every_interval(tmp_path, caplog):
+    """A hung round kept its job instance busy, and APScheduler warned 'maximum number of
+    running instances reached' at every interval, forever."""
+    base = Config()
+    probes = dataclasses.replace(
+        base.probes, exploration=(),
+        sentinels=(ProbeGroup(shapes=((1024, 1024, 1024),), dtypes=("fp32",)),),
+        measure=MeasureConfig(window_s=0.2, warmup_s=0.0, timeout_s=60))
+    cfg = dataclasses.replace(
+        base, backend="fake", isolation="thread", state_dir=str(tmp_path), probes=probes,
+        listen=dataclasses.replace(base.listen, address="127.0.0.1", port=0),
+        schedule=dataclasses.replace(base.schedule, probe_interval_s=1),
+        budget=dataclasses.replace(base.budget, duty_cycle=1.0),
+        fake=FakeConfig(devices=(FakeDeviceConfig(hang_on_call=1), FakeDeviceConfig())))
+    d = Daemon(cfg)
+    with caplog.at_level(logging.WARNING):
+        d.start()
+        try:
+            time.sleep(4.5)
+        finally:
+            d.stop()
+    assert "maximum number of running instances" not in caplog.text
+    healthy = d.state.devices[d.devices[1].info.uuid]
+    assert healthy.probes_total[("sentinel", "ok")] >= 3  # the other GPU kept probing
