@@ -13,9 +13,11 @@ $(BIN)/gemmd: pyproject.toml
 
 setup: $(BIN)/gemmd
 
-# Run the daemon on its defaults (backend auto: CPU when no GPU), state under ./state.
+# Run the daemon on its defaults (backend auto: CPU when no GPU). State goes where the
+# CLI looks by default ($XDG_STATE_HOME/gemmd, else ~/.local/state/gemmd), so that
+# `.venv/bin/gemmd status` and the model commands find it.
 run: setup
-	$(BIN)/gemmd run --config gemmd.yaml --state-dir ./state
+	$(BIN)/gemmd run --config gemmd.yaml
 
 # Lint, then the whole test suite (unit, end-to-end, integration).
 test: setup

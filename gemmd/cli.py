@@ -142,15 +142,45 @@ def cmd_probe(args: argparse.Namespace) -> int:
         stack.callback(rt.close_devices)
         registry = rt.registry
         registry.load_active()
+        # Devices are probed at the same time, each result shown as it comes (stderr:
+        # stdout holds the table, CSV or JSON at the end).
+        results: dict[str, list] = {r.device.info.uuid: [] for r in rt.runners}
+        lock = threading.Lock()
+
+        def progress(runner, r) -> None:
+            m = r.measurement
+            what = f"{_fmt_time(m.runtime_s)}, {m.tflops:.3g} TFLOP/s" if m else r.error
+            with lock:
+                print(f"{runner.label}: {r.spec.name}: {r.outcome}" + (f" ({what})" if what
+                                                                       else ""),
+                      file=sys.stderr, flush=True)
+
+        def round_of(runner) -> None:
+            runner.on_result = lambda r: progress(runner, r)
+            results[runner.device.info.uuid] = runner.run_round()
+
+        threads = [threading.Thread(target=round_of, args=(r,), name=f"probe-{r.label}")
+                   for r in rt.runners]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         rows: list[dict[str, Any]] = []
+        skipped: dict[str, int] = {}
         for runner in rt.runners:
             d = runner.device
-            for r in runner.run_round():
-                rows.append(_result_row(d, r))
+            rows += [_result_row(d, r) for r in results[d.info.uuid]]
             for reason, n in rt.state.devices[d.info.uuid].skipped_total.items():
                 if n and reason not in ("duty_cycle",):
+                    skipped[reason] = skipped.get(reason, 0) + n
                     print(f"{device_label(d.info)}: {n} probe(s) skipped: {reason}",
                           file=sys.stderr)
+    if not rows:
+        busy = sorted(set(skipped) - {"unsupported", "device_down"})
+        hint = f" (busy: {', '.join(busy)}; --force probes a busy device anyway)" \
+            if busy else ""
+        print(f"gemmd: no probe ran{hint}", file=sys.stderr)
+        return EXIT_RUNTIME
     _print_rows(rows, args.format, registry.current.version)
     failed = [r for r in rows if r["outcome"] in ("failed", "mismatch")]
     return EXIT_RUNTIME if failed else 0
@@ -228,6 +258,7 @@ def _print_rows(rows: list[dict[str, Any]], fmt: str, model_version: str) -> Non
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from gemmd.features import spec_of
     from gemmd.store import Store
 
     cfg = _load_config(args)
@@ -240,6 +271,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         model, models, sources = store.active_model(), store.models(), store.sources()
     finally:
         store.close()
+    drift = _drift_summary(cfg, db.parent)
     keep = cfg.store
     for src in sources:
         src["retention"] = (f"{keep.retention_days:g} days, at most {keep.max_rows:,} rows"
@@ -248,7 +280,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"store": str(db), "sources": sources, "devices": devices,
                           "counts": counts, "latest": latest, "model": model,
-                          "models": len(models)}, indent=1, default=str))
+                          "models": len(models), "drift": drift}, indent=1, default=str))
         return 0
     now = time.time()
     print(f"store: {db}")
@@ -261,9 +293,21 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"kept: {src['retention']}")
     for d in devices:
         # Imported measurements have a reference device, not a GPU index of this host.
-        label = f"GPU {d['idx']}" if d["idx"] is not None else "reference"
+        label = ("CPU" if d["backend"] == "cpu" else f"GPU {d['idx']}") \
+            if d["idx"] is not None else "reference"
+        # Its newest stored result (the device record itself is refreshed only at start).
+        seen = max([c["last"] for c in counts if c["device_uuid"] == d["uuid"]]
+                   + [d["last_seen"] or 0])
         print(f"\n{label}  {d['name']}  ({d['backend']}, {d['uuid']})  "
-              f"last seen {_age(now - d['last_seen'])} ago")
+              f"last probe {_age(now - seen)} ago")
+        dr = drift.get(d["uuid"])
+        if dr:
+            alarms = "; ".join(f"{a['probe']} {a['target']} x{a['ratio']:.3f} of normal "
+                               f"since {_age(now - a['since'])}" for a in dr["drifting"])
+            print(f"  drift: {len(dr['drifting'])} of {dr['tracks']} tracks in alarm"
+                  + (f": {alarms}" if alarms else "")
+                  + (f"; {dr['baselining']} still taking their baseline"
+                     if dr["baselining"] else ""))
         for c in (c for c in counts if c["device_uuid"] == d["uuid"]):
             print(f"  {c['source']:>8} {c['outcome']:<9} {c['n']:>7} probes, last "
                   f"{_age(now - c['last'])} ago")
@@ -273,8 +317,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"{'POWER':>8} {'OUTCOME'}")
         for r in rows:
             rt, pr = r["runtime_s"], r["pred_runtime_s"]
-            name = f"{r['kernel'] if r['kernel'] == 'blas' else 'tiled' + str(r['tile'])}-" \
-                   f"{r['dtype']}-{r['layout']}-{r['m']}x{r['n']}x{r['k']}"
+            name = spec_of(r).name
             print(f"  {name:<34} {_age(now - r['ts']):>6} {_fmt_time(rt):>10} "
                   f"{_fmt_time(pr):>10} {_fmt(rt / pr if rt and pr else None, '.3f'):>6} "
                   f"{_fmt(r['power_w'], '.1f', ' W'):>8} {r['outcome']}")
@@ -286,6 +329,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print("\nmodel: none fitted yet (predictions come from the roofline estimate)")
     return 0
+
+
+def _drift_summary(cfg: Config, state_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per device, from the daemon's saved drift state: tracks, those in alarm (probe,
+    target, measured/normal ratio, since when) and those still taking their baseline."""
+    import math
+
+    from gemmd.drift import DriftMonitor
+
+    path = state_dir / "drift.json"
+    if not path.is_file():
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for (uuid, spec, target), tr in DriftMonitor(cfg.drift, path).tracks.items():
+        d = out.setdefault(uuid, {"tracks": 0, "baselining": 0, "drifting": []})
+        d["tracks"] += 1
+        if not tr.ready():
+            d["baselining"] += 1
+        elif tr.drifting:
+            ratio = math.exp(tr.prev)  # the latest result, relative to its normal
+            d["drifting"].append({"probe": spec.name, "target": target, "ratio": ratio,
+                                  "cusum": tr.cusum, "threshold": tr.h,
+                                  "since": tr.since or 0.0})
+    return out
 
 
 def cmd_rebaseline(args: argparse.Namespace) -> int:

@@ -135,6 +135,15 @@ class Daemon:
         except Exception:  # one device's bug must never stop the others
             logger.exception("%s: probe round crashed", runner.label)
         self._save_drift()
+        retry = self.cfg.schedule.busy_retry_s
+        if runner.last_skip and retry and retry < self.cfg.schedule.probe_interval_s and \
+                self.scheduler is not None and not self.stopping.is_set():
+            # Busy now is not busy for a whole interval: look again soon.
+            self.scheduler.add_job(self._probe_job, "date", args=[runner],
+                                   run_date=datetime.now().astimezone()
+                                   + timedelta(seconds=retry),
+                                   id=f"retry-{runner.device.info.uuid}",
+                                   name=f"retry {runner.label}", replace_existing=True)
         if self.registry.current.kind == "roofline" and self.scheduler and \
                 not self.stopping.is_set() and not self._first_fit.is_set():
             # First model as soon as enough data exists, not an hour later.

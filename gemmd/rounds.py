@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,19 @@ def _energy_trusted(m: Measurement, backend: str) -> bool:
     return method == "steps" or (method == "window" and backend == "cpu")
 
 
+class _Results(list):
+    """A round's results, each also handed to ``callback`` as it is appended."""
+
+    def __init__(self, callback: Callable[[Result], None] | None):
+        super().__init__()
+        self.callback = callback
+
+    def append(self, r: Result) -> None:
+        super().append(r)
+        if self.callback is not None:
+            self.callback(r)
+
+
 def device_label(info: Any) -> str:
     """How logs name a device: "GPU 0", or "CPU" for the CPU backend."""
     return "CPU" if info.backend == "cpu" else f"GPU {info.index}"
@@ -78,6 +92,9 @@ class DeviceRunner:
         self._checks: Counter = Counter()
         self._round_lock = threading.Lock()
         self._offset = 0  # where the next round starts in its cycle of probes
+        self.last_skip: str | None = None  # why the last round was skipped (busy), if it was
+        # Called with each result as it comes (gemmd probe prints progress with it).
+        self.on_result: Callable[[Result], None] | None = None
 
     @property
     def _ds(self):
@@ -120,6 +137,7 @@ class DeviceRunner:
         except DeviceError as e:
             self._round_failed(str(e))
             return [Result(self.plan[0], "sentinel", "failed", error=str(e))] if self.plan else []
+        self.last_skip = busy
         if busy:
             logger.info("%s: skipping round: %s", self.label, busy)
             self._skip_all(busy, len(self.plan))
@@ -128,7 +146,7 @@ class DeviceRunner:
                                              self._rng))
         budget = self.budget_s if self.budget_s is not None else \
             self.cfg.budget.duty_cycle * self.cfg.schedule.probe_interval_s
-        used, results, failed, started = 0.0, [], "", 0
+        used, results, failed, started = 0.0, _Results(self.on_result), "", 0
         for i, (spec, kind) in enumerate(todo):
             if self.cancel.is_set():
                 break
@@ -180,7 +198,7 @@ class DeviceRunner:
                 if not ds.up:
                     logger.warning("%s is back up", self.label)
                 ds.up, ds.down_reason, ds.consecutive_failures = True, "", 0
-        return results
+        return list(results)
 
     def _order(self, explore: list[ProbeSpec]) -> list[tuple[ProbeSpec, str]]:
         """This round's probes: the sentinels, then this round's exploration draws, as one

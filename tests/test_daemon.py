@@ -34,3 +34,35 @@ def test_a_hung_device_in_thread_isolation_does_not_log_every_interval(tmp_path,
     assert "maximum number of running instances" not in caplog.text
     healthy = d.state.devices[d.devices[1].info.uuid]
     assert healthy.probes_total[("sentinel", "ok")] >= 3  # the other GPU kept probing
+
+
+def _busy_daemon(tmp_path, retry):
+    base = Config()
+    probes = dataclasses.replace(
+        base.probes, exploration=(),
+        sentinels=(ProbeGroup(shapes=((1024, 1024, 1024),), dtypes=("fp32",)),),
+        measure=MeasureConfig(window_s=0.2, warmup_s=0.0))
+    cfg = dataclasses.replace(
+        base, backend="fake", isolation="thread", state_dir=str(tmp_path), probes=probes,
+        listen=dataclasses.replace(base.listen, address="127.0.0.1", port=0),
+        schedule=dataclasses.replace(base.schedule, probe_interval_s=60, busy_retry_s=retry),
+        fake=FakeConfig(devices=(FakeDeviceConfig(other_utilization=0.5),)))
+    return Daemon(cfg)
+
+
+def test_a_round_skipped_as_busy_is_retried_soon_not_a_whole_interval_later(tmp_path):
+    d = _busy_daemon(tmp_path / "a", retry=0.5)
+    d.start()
+    try:
+        time.sleep(2.0)
+    finally:
+        d.stop()
+    ds = d.state.devices[d.devices[0].info.uuid]
+    assert ds.rounds_total >= 3 and ds.skipped_total["utilization"] >= 3
+    d = _busy_daemon(tmp_path / "b", retry=0)
+    d.start()
+    try:
+        time.sleep(1.0)
+    finally:
+        d.stop()
+    assert d.state.devices[d.devices[0].info.uuid].rounds_total == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -190,6 +191,15 @@ def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
                                     ) == 2  # both sentinels
         assert reg.get_sample_value("gemmd_device_drifting", {
             "gpu": "0", "uuid": uuid0, "gpu_model": slowed.device.info.name}) == 0
+        # gemmd status says which GPU drifts, on what, by how much (drift.json saved).
+        d._save_drift()
+        r = subprocess.run([sys.executable, "-m", "gemmd", "status", "--state-dir",
+                            str(tmp_path)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        gpu1 = r.stdout[r.stdout.index("\nGPU 1"):]
+        assert re.search(r"drift: 2 of \d+ tracks in alarm: blas-\w+-nn-4096x4096x4096 "
+                         r"runtime x1\.0\d\d of normal", gpu1), gpu1
+        assert "last probe 0m ago" not in gpu1 and re.search(r"last probe \d+s ago", gpu1)
         # The CLI's rebaseline: a request file and unflagged rows; the daemon applies it.
         r = subprocess.run([sys.executable, "-m", "gemmd", "rebaseline", "--state-dir",
                             str(tmp_path), "--device", "1"], capture_output=True, text=True)
