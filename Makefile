@@ -22,6 +22,7 @@ run: setup
 # Lint, then the whole test suite (unit, end-to-end, integration).
 test: setup
 	$(BIN)/ruff check gemmd tests bench
+	$(BIN)/mypy
 	bash scripts/install-test-deps.sh
 	$(BIN)/python -m pytest -q
 

@@ -138,6 +138,7 @@ def update(track: Track, residual: float, model_sigma: float, *, shift: float, a
             set_reference(track, track.baseline, floor)
         return False
     scale = max(track.scale or floor, floor)
+    assert track.reference is not None  # ready()
     dev = residual - track.reference
     z = dev / scale
     k = math.log1p(shift) / (2 * scale)

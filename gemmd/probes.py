@@ -76,9 +76,9 @@ def _explore(cfg: ExplorationConfig, device: Device, rng: np.random.Generator
     for _ in range(cfg.per_round * 10):  # bounded retries when many draws are unsupported
         if len(out) >= cfg.per_round:
             break
-        dims = [_draw_dim(rng, lo, hi, cfg.align) for lo, hi in (cfg.m, cfg.n, cfg.k)]
+        m, n, k = (_draw_dim(rng, lo, hi, cfg.align) for lo, hi in (cfg.m, cfg.n, cfg.k))
         kernel = str(rng.choice(cfg.kernels))
-        spec = ProbeSpec(*dims, dtype=str(rng.choice(cfg.dtypes)), kernel=kernel,
+        spec = ProbeSpec(m, n, k, dtype=str(rng.choice(cfg.dtypes)), kernel=kernel,
                          tile=int(rng.choice(cfg.tiles)) if kernel == "tiled" else 0,
                          layout=str(rng.choice(cfg.layouts)) if kernel == "blas" else "nn")
         if device.unsupported_reason(spec) is None:
@@ -209,10 +209,13 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
         # Exact counter values at two observed steps while busy: no partial-step error.
         power, energy, method = step_power, step_power * float(np.mean(run.times)), "steps"
     ctx_after = dict(ctx_after, energy_method=method)
+    st = iteration_stats(run.times)
     m = Measurement(spec=spec, iterations=iters, window_s=window, energy_j=energy,
                     power_w=power, power_sample_w=power_sample,
                     context={"before": ctx_before, "after": ctx_after},
-                    **iteration_stats(run.times))
+                    runtime_s=st["runtime_s"], runtime_mean_s=st["runtime_mean_s"],
+                    runtime_min_s=st["runtime_min_s"], runtime_p90_s=st["runtime_p90_s"],
+                    runtime_cv=st["runtime_cv"])
     if check:
         m.check_ok, m.check_error = device.check(spec)
     m.elapsed_s = max(0.0, device.clock() - started)

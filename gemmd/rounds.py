@@ -265,12 +265,13 @@ class DeviceRunner:
                    p: Prediction) -> None:
         """One line with what an operator needs first: how far off, and the context."""
         meas, pred = measured_of(m)[target], predicted_of(p)[target]
+        ratio = meas / pred if meas and pred else float("nan")
         after = m.context.get("after") or {}
         clock = after.get("sm_clock_hz")
         logger.warning(
             "%s: %s %s drifting: measured/predicted %.3f, normal %.3f for this card "
             "(z %.1f, CUSUM %.1f); SM clock %s, temperature %s, clock events %s",
-            self.label, spec.name, target, meas / pred, math.exp(tr.reference),
+            self.label, spec.name, target, ratio, math.exp(tr.reference or 0.0),
             tr.last_z or 0.0, tr.cusum, f"{clock / 1e9:.2f} GHz" if clock else "?",
             f"{after['temperature_c']:.0f} C" if "temperature_c" in after else "?",
             ",".join(after.get("clock_event_reasons", [])) or "none")

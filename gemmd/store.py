@@ -443,8 +443,8 @@ class Store:
             ids = []
             for row in rows:
                 vals = [_encode(c, row.get(c)) for c in PROBE_COLUMNS]
-                ids.append(db.execute(f"INSERT INTO probes ({cols}) VALUES ({marks})",
-                                      vals).lastrowid)
+                ids.append(int(db.execute(f"INSERT INTO probes ({cols}) VALUES ({marks})",
+                                          vals).lastrowid or 0))
             return ids
 
         return self._write("insert probe results", insert, rows=len(rows))
@@ -464,7 +464,7 @@ class Store:
         def add(db: sqlite3.Connection) -> int:
             if activate:
                 db.execute("UPDATE models SET active=0")
-            return int(db.execute(
+            return int(db.execute(  # type: ignore[arg-type]  # lastrowid after an INSERT
                 "INSERT INTO models (created, kind, path, n_samples, data_hash, meta, active)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (time.time(), kind, path, n_samples, data_hash, json.dumps(meta),
@@ -528,7 +528,8 @@ class Store:
     def probes(self, *, sources: Sequence[str] | None = ("daemon",), device_uuid: str | None = None,
                outcome: str | None = "ok", include_flagged: bool = False,
                since: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
-        where, args = [], []
+        where: list[str] = []
+        args: list[Any] = []
         if sources is not None:
             where.append(f"source IN ({', '.join('?' for _ in sources)})")
             args.extend(sources)

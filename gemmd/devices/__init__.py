@@ -22,7 +22,7 @@ def select(devices: Sequence[Device], wanted: str | Sequence[int | str]) -> list
     """Keep the devices named by index or UUID; an entry matching nothing is an error."""
     if wanted == "all":
         return list(devices)
-    out = []
+    out: list[Device] = []
     for w in wanted:
         match = [d for d in devices if (isinstance(w, int) and d.info.index == w)
                  or (isinstance(w, str) and d.info.uuid == w)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import math
 import os
@@ -231,7 +232,7 @@ class NvidiaDevice(Device):
                  nvml: Nvml | None = None, cupy: Any = None, cublas: Cublas | None = None):
         if cupy is None:
             try:
-                import cupy
+                cupy = importlib.import_module("cupy")
             except ImportError as e:
                 raise DeviceUnavailable(
                     "CuPy is not installed (pip install 'gemmd-gpu[cuda12]')") from e
@@ -278,7 +279,7 @@ class NvidiaDevice(Device):
         self._events: list[Any] = []  # reused CUDA events
         self._graphs_ok = True
         self._has_counter = self.energy_j() is not None
-        self._scalars = {  # alpha = 1, beta = 0 in host memory (kept alive here)
+        self._scalars: dict[type, tuple[np.ndarray, np.ndarray]] = {  # alpha 1, beta 0, kept
             np.float32: (np.ones(1, np.float32), np.zeros(1, np.float32)),
             np.float64: (np.ones(1, np.float64), np.zeros(1, np.float64))}
 

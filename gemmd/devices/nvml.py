@@ -7,6 +7,7 @@ a fake module. Every NVML error becomes a gemmd error here, with the NVML cause 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -91,11 +92,11 @@ class Nvml:
     def __init__(self, module: ModuleType | None = None):
         if module is None:
             try:
-                import pynvml as module  # type: ignore[no-redef]
+                module = importlib.import_module("pynvml")
             except ImportError as e:
                 raise DeviceUnavailable(
                     "pynvml is not installed (pip install 'gemmd-gpu[cuda12]')") from e
-        self.nv = module
+        self.nv: Any = module
         try:
             self.nv.nvmlInit()
         except self.nv.NVMLError as e:
