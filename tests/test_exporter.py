@@ -45,7 +45,7 @@ def _state_with_probe(slow: float = 1.0):
 def test_measured_predicted_ratio_share_labels_and_units():
     state, dev, spec, m, p = _state_with_probe()
     reg = assemble(state, process=False)
-    labels = {"gpu": "0", "uuid": dev.info.uuid, "gpu_model": dev.info.name, **spec.labels()}
+    labels = {"gpu": "0", "uuid": dev.info.uuid, "gpu_model": dev.info.name, "probe": spec.name}
     g = reg.get_sample_value
     assert g("gemmd_probe_runtime_seconds", labels) == m.runtime_s
     assert g("gemmd_probe_runtime_predicted_seconds", labels) == p.runtime_s
@@ -164,3 +164,115 @@ def test_exposition_renders_state_once_per_change_and_serves_http():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def _samples(reg, name: str) -> list:
+    return [s for r in (reg.cached, reg.live) for m in r.collect() for s in m.samples
+            if s.name == name]
+
+
+def test_probe_series_carry_device_labels_and_probe_only_and_probe_info_the_rest():
+    state, dev, spec, m, p = _state_with_probe()
+    reg = assemble(state, process=False)
+    device = {"gpu", "uuid", "gpu_model"}
+    for name in ("gemmd_probe_runtime_seconds", "gemmd_probe_runtime_ratio",
+                 "gemmd_probe_flops_per_second", "gemmd_probe_last_timestamp_seconds"):
+        (s,) = _samples(reg, name)
+        assert set(s.labels) == device | {"probe"}, (name, s.labels)
+    (info,) = _samples(reg, "gemmd_probe_info")
+    assert info.labels == spec.labels() and info.value == 1
+    assert info.labels == {"probe": "blas-bf16-nn-4096x4096x4096", "m": "4096", "n": "4096",
+                           "k": "4096", "dtype": "bf16", "kernel": "blas", "tile": "0",
+                           "layout": "nn"}
+
+
+def test_device_info_has_driver_pci_vbios_and_sizes_are_gauges():
+    from gemmd.devices.base import DeviceInfo
+
+    extra = {"driver_version": "550.90.07", "cuda_driver_version": "12.4",
+             "pci_bus_id": "00000000:18:00.0", "vbios_version": "96.00.89.00.01",
+             "record": {"unrelated": 1}}
+    gpu = DeviceInfo(0, "GPU-1", "NVIDIA H100 80GB HBM3", "nvidia", {"bf16": 1e15}, 3e12,
+                     sm_count=132, memory_bytes=85 << 30, extra=extra)
+    cpu = DeviceInfo(0, "CPU-x", "AMD EPYC", "cpu", {"fp32": 1e12}, 1e11,
+                     extra={"cores": 64})
+    state = State()
+    for info in (gpu, cpu):
+        state.add_device(info)
+    reg = assemble(state, process=False)
+    infos = {s.labels["uuid"]: s.labels for s in _samples(reg, "gemmd_device_info")}
+    assert infos["GPU-1"] == {"gpu": "0", "uuid": "GPU-1", "gpu_model": "NVIDIA H100 80GB HBM3",
+                              "backend": "nvidia", "driver_version": "550.90.07",
+                              "cuda_driver_version": "12.4", "pci_bus_id": "00000000:18:00.0",
+                              "vbios_version": "96.00.89.00.01"}
+    assert infos["CPU-x"] == {"gpu": "0", "uuid": "CPU-x", "gpu_model": "AMD EPYC",
+                              "backend": "cpu", "driver_version": "", "cuda_driver_version": "",
+                              "pci_bus_id": "", "vbios_version": ""}
+    g = reg.get_sample_value
+    d = {"gpu": "0", "uuid": "GPU-1", "gpu_model": "NVIDIA H100 80GB HBM3"}
+    assert g("gemmd_device_streaming_multiprocessors", d) == 132
+    assert g("gemmd_device_memory_bytes", d) == 85 << 30
+    # Unknown on the CPU: absent, not an empty label or a zero.
+    c = {"gpu": "0", "uuid": "CPU-x", "gpu_model": "AMD EPYC"}
+    assert g("gemmd_device_streaming_multiprocessors", c) is None
+    assert g("gemmd_device_memory_bytes", c) is None
+
+
+def test_every_clock_event_reason_and_skip_reason_exists_from_the_start():
+    from gemmd.devices.nvml import CLOCK_EVENT_REASONS
+    from gemmd.exporter.collectors import SKIP_REASONS
+
+    state, dev, *_ = _state_with_probe(slow=1.25)  # throttled: hw_thermal_slowdown active
+    dev.armed = False
+    quiet = FakeDevice(1, FakeDeviceConfig())
+    state.add_device(quiet.info)  # no probe yet: no context at all
+    reg = assemble(state, process=False)
+    reasons: dict[str, dict[str, float]] = {}
+    for s in _samples(reg, "gemmd_device_clock_event_active"):
+        reasons.setdefault(s.labels["gpu"], {})[s.labels["reason"]] = s.value
+    known = set(CLOCK_EVENT_REASONS.values())
+    assert set(reasons["0"]) == set(reasons["1"]) == known
+    assert {r for r, v in reasons["0"].items() if v} == {"hw_thermal_slowdown"}
+    assert not any(reasons["1"].values())
+    # An unknown bit the backend reports is exported too, as active.
+    with state.lock:
+        state.devices[quiet.info.uuid].context = {"clock_event_reasons": ["unknown_0x800"]}
+    reg = assemble(state, process=False)
+    active = {s.labels["reason"]: s.value for s in _samples(reg, "gemmd_device_clock_event_active")
+              if s.labels["gpu"] == "1"}
+    assert set(active) == known | {"unknown_0x800"} and active["unknown_0x800"] == 1
+
+    skipped = {(s.labels["gpu"], s.labels["reason"]): s.value
+               for s in _samples(reg, "gemmd_probes_skipped_total")}
+    for gpu in ("0", "1"):
+        assert {r for g_, r in skipped if g_ == gpu} == set(SKIP_REASONS)
+    assert skipped[("0", "other_processes")] == 3 and skipped[("1", "other_processes")] == 0
+
+
+def test_skip_reasons_cover_every_reason_gemmd_records():
+    """Every literal reason passed to _skip_all() or returned by a busy_reason() is in
+    SKIP_REASONS, so that none of them appears only once it happens."""
+    import ast
+    import pathlib
+
+    from gemmd.exporter.collectors import SKIP_REASONS
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "gemmd"
+    found: set[str] = set()
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "_skip_all" \
+                    and node.args and isinstance(node.args[0], ast.Constant):
+                found.add(node.args[0].value)
+            if isinstance(node, ast.FunctionDef) and node.name == "busy_reason":
+                for ret in ast.walk(node):
+                    if isinstance(ret, ast.Return) and isinstance(ret.value, ast.Constant) \
+                            and isinstance(ret.value.value, str):
+                        found.add(ret.value.value)
+                    if isinstance(ret, ast.IfExp):
+                        for v in (ret.body, ret.orelse):
+                            if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                                found.add(v.value)
+    assert {"device_down", "duty_cycle", "other_processes", "host_busy"} <= found
+    assert found <= set(SKIP_REASONS), sorted(found - set(SKIP_REASONS))

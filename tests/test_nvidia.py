@@ -79,16 +79,9 @@ def test_decode_reasons_and_visible_devices():
 
 
 def test_open_all_without_pynvml_or_gpu_is_unavailable(monkeypatch):
-    import builtins
+    import sys
 
-    real = builtins.__import__
-
-    def no_pynvml(name, *a, **k):
-        if name == "pynvml":
-            raise ImportError("No module named 'pynvml'")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_pynvml)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     with pytest.raises(DeviceUnavailable, match="pynvml is not installed"):
         nvidia.open_all(memory_budget=1 << 30)
 

@@ -1,4 +1,5 @@
-"""The shipped monitoring: alert/recording rules (promtool), runbook links, dashboards.
+"""The shipped monitoring: alert/recording rules (promtool), runbook links, dashboards, and
+the example Alertmanager configuration (amtool, and a real Alertmanager's inhibition).
 
 Every metric name that a rule, an alert template or a dashboard query uses must exist in
 the exposition of a real `gemmd run` (or be a recording rule of the rule file), so that a
@@ -7,23 +8,33 @@ renamed metric breaks a test instead of a dashboard.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
+import sys
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 import yaml
-from conftest import FAST_FAKE, ROOT, free_port, merge, wait_for, write_config
+from conftest import FAST_FAKE, ROOT, LoggedProc, free_port, merge, wait_for, write_config
 
 PROM_DIR = ROOT / "deploy" / "prometheus"
 RULES = PROM_DIR / "gemmd.rules.yml"
 RULE_TESTS = sorted((PROM_DIR / "tests").glob("*.yml"))
 RUNBOOK = ROOT / "docs" / "runbook.md"
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
-SEVERITIES = {"page", "ticket"}
+ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
+GEN = ROOT / "deploy" / "kubernetes" / "gen_prometheusrule.py"
+SEVERITIES = {"critical", "warning"}
+# Critical only for wrong results, a lost GPU and a slowdown that lasts.
+CRITICAL = {"GemmdResultMismatch", "GemmdDeviceDown", "GemmdGpuSlowdownPersistent"}
+# The labels a probe's name encodes: on gemmd_probe_info only, never on alerts.
+PROBE_CONFIG_LABELS = {"m", "n", "k", "dtype", "kernel", "tile", "layout"}
 # A metric name of gemmd's (gemmd_...) or a recording rule of ours (gemmd:...).
 METRIC_RE = re.compile(r"(?<![A-Za-z0-9_:])(gemmd[_:][A-Za-z0-9_:]*[A-Za-z0-9_])")
 
@@ -34,6 +45,21 @@ def promtool() -> str:
         pytest.fail("promtool not on PATH: run `bash scripts/install-test-deps.sh` as root "
                     "(installs the Debian package prometheus; `make test` runs it)")
     return path
+
+
+def amtool() -> str:
+    path = shutil.which("amtool")
+    if not path:
+        pytest.fail("amtool not on PATH: run `bash scripts/install-test-deps.sh` as root "
+                    "(installs the Debian package prometheus-alertmanager; `make test` runs it)")
+    return path
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("gen_prometheusrule", GEN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def rule_groups() -> list[dict]:
@@ -118,20 +144,75 @@ def test_every_alert_is_unit_tested_firing_and_not_firing():
 
 def test_every_alert_has_severity_summary_description_and_runbook_section():
     anchors = runbook_anchors()
+    base = generator().RUNBOOK_BASE
+    assert base.startswith("https://") and base.endswith("/docs/runbook.md"), base
     seen = set()
     for a in alerts():
         name = a["alert"]
         assert name not in seen, f"duplicate alert {name}"
         seen.add(name)
-        assert a.get("labels", {}).get("severity") in SEVERITIES, name
+        severity = a.get("labels", {}).get("severity")
+        assert severity in SEVERITIES, name
+        assert (severity == "critical") == (name in CRITICAL), (name, severity)
         ann = a.get("annotations", {})
         assert ann.get("summary"), f"{name}: no summary"
         desc = ann.get("description", "")
         assert "{{ $labels." in desc and "$value" in desc, \
             f"{name}: the description must show labels and the value"
         anchor = github_anchor(name)
-        assert ann.get("runbook_url") == f"docs/runbook.md#{anchor}", name
+        # Absolute, under the one base the generator rewrites (--runbook-base).
+        assert ann.get("runbook_url") == f"{base}#{anchor}", name
         assert anchor in anchors, f"docs/runbook.md has no '## {name}' section"
+
+
+def test_alerts_are_per_gpu_never_per_probe():
+    """No alert of the unit tests carries `probe` or a probe's configuration: a GPU that is
+    slow on every probe raises one alert, which names its worst probe in the description."""
+    for path in RULE_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for t in case.get("alert_rule_test", []):
+                for exp in t.get("exp_alerts") or []:
+                    labels = set(exp.get("exp_labels", {}))
+                    assert not labels & ({"probe"} | PROBE_CONFIG_LABELS), (path.name, t)
+    # Per-probe series: gemmd_probe_*, but the probe interval and the per-daemon error.
+    for a in alerts():
+        if re.search(r"gemmd[_:]probe_(?!interval_seconds|prediction_error)", a["expr"]):
+            assert "max without (probe)" in a["expr"], a["alert"]
+            assert "worst probe" in a["annotations"]["description"], a["alert"]
+
+
+def test_runbook_base_is_set_in_one_place(tmp_path):
+    """The generator points every runbook_url at another base, in a plain rule file that
+    promtool accepts and in a PrometheusRule, and changes nothing else."""
+    base = "https://wiki.example.com/ops/gemmd-runbook.md"
+    shipped = rule_groups()
+    for fmt, out in (("rules", tmp_path / "gemmd.rules.yml"),
+                     ("prometheusrule", tmp_path / "prometheusrule.yaml")):
+        r = subprocess.run([sys.executable, str(GEN), "--format", fmt, "--runbook-base", base,
+                            "--out", str(out)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        doc = yaml.safe_load(out.read_text())
+        groups = doc["groups"] if fmt == "rules" else doc["spec"]["groups"]
+        urls = [r["annotations"]["runbook_url"] for g in groups for r in g["rules"]
+                if "alert" in r]
+        assert urls and all(u.startswith(base + "#") for u in urls), urls
+        for g in groups:
+            for rule in g["rules"]:
+                if "alert" in rule:
+                    rule["annotations"]["runbook_url"] = rule["annotations"]["runbook_url"] \
+                        .replace(base, generator().RUNBOOK_BASE)
+        assert groups == shipped, fmt
+    r = subprocess.run([promtool(), "check", "rules", str(tmp_path / "gemmd.rules.yml")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # A runbook_url under another base in the rule file is refused, not half-rewritten.
+    stray = yaml.safe_load(RULES.read_text())
+    stray["groups"][0]["rules"][-1]["annotations"]["runbook_url"] = "docs/runbook.md#x"
+    (tmp_path / "stray.yml").write_text(yaml.safe_dump(stray))
+    r = subprocess.run([sys.executable, str(GEN), "--rules", str(tmp_path / "stray.yml"),
+                        "--format", "rules", "--out", "-"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is not under" in r.stderr, r.stderr
 
 
 def test_recording_rules_are_named_gemmd_level_metric_operations():
@@ -144,6 +225,109 @@ def test_runbook_documents_scrape_config_and_dashboard_import():
     text = RUNBOOK.read_text()
     assert "## Prometheus scrape config" in text
     assert "## Import the dashboards" in text
+    assert "## Alertmanager" in text and "--runbook-base" in text
+
+
+# ------------------------------------------------------------------------- Alertmanager
+
+
+def alertmanager_config() -> dict:
+    return yaml.safe_load(ALERTMANAGER.read_text())
+
+
+def test_alertmanager_example_passes_amtool_check_config():
+    r = subprocess.run([amtool(), "check-config", str(ALERTMANAGER)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_alertmanager_example_groups_by_gpu_and_routes_on_severity():
+    cfg = alertmanager_config()
+    (gemmd,) = [r for r in cfg["route"]["routes"] if "Gemmd" in " ".join(r["matchers"])]
+    assert "uuid" in gemmd["group_by"]
+    names = {a["alert"] for a in alerts()}
+    text = json.dumps(cfg["inhibit_rules"])
+    for name in re.findall(r"Gemmd[A-Za-z]+", text):
+        assert name in names, f"the inhibit rules name an alert the rules lack: {name}"
+
+    def route(**labels: str) -> str:
+        r = subprocess.run([amtool(), "config", "routes", "test",
+                            f"--config.file={ALERTMANAGER}",
+                            *(f"{k}={v}" for k, v in labels.items())],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout.strip()
+
+    for a in alerts():
+        severity = a["labels"]["severity"]
+        got = route(alertname=a["alert"], severity=severity, uuid="GPU-1")
+        assert got == f"gemmd-{severity}", (a["alert"], got)
+    assert route(alertname="NodeDown", severity="critical") == "default"
+
+
+def test_a_slowdown_inhibits_the_same_gpus_power_energy_and_sibling_alerts(tmp_path):
+    """A real Alertmanager with the example configuration: of a slow GPU's alerts only the
+    slowdown notifies; another GPU's energy alert is not inhibited."""
+    binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if binary is None:
+        pytest.fail("alertmanager not on PATH: run `bash scripts/install-test-deps.sh` as root "
+                    "(installs the Debian package prometheus-alertmanager)")
+    port = free_port()
+    am = LoggedProc([binary, f"--config.file={ALERTMANAGER}",
+                     f"--storage.path={tmp_path / 'am'}",
+                     f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+                     "--log.level=warn"], tmp_path / "alertmanager.log", mode="wb")
+    url = f"http://127.0.0.1:{port}/api/v2/alerts"
+    try:
+        def ready():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
+                    return r.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_for(ready, 30, "Alertmanager to be ready", am)
+
+        def alert(name: str, severity: str, gpu: str, **extra: str) -> dict:
+            return {"labels": {"alertname": name, "severity": severity, "job": "gemmd",
+                               "instance": "gpu-node-07:9477", "gpu": gpu,
+                               "uuid": f"GPU-{gpu}", "gpu_model": "NVIDIA H100", **extra}}
+
+        sent = [alert("GemmdGpuSlowerThanPredicted", "warning", "1", target="runtime"),
+                alert("GemmdGpuEnergyAbovePredicted", "warning", "1", target="energy"),
+                alert("GemmdGpuPowerAbovePredicted", "warning", "1", target="power"),
+                alert("GemmdGpuSlowerThanSiblings", "warning", "1"),
+                alert("GemmdDeviceDown", "critical", "2"),
+                alert("GemmdProbesStale", "warning", "2"),
+                alert("GemmdGpuEnergyAbovePredicted", "warning", "3", target="energy")]
+        req = urllib.request.Request(url, data=json.dumps(sent).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=5).read()
+
+        def states():
+            with urllib.request.urlopen(url, timeout=5) as r:
+                got = json.loads(r.read())
+            if len(got) < len(sent):
+                return None
+            return {(a["labels"]["alertname"], a["labels"]["gpu"]): a["status"]["state"]
+                    for a in got}
+
+        deadline = time.monotonic() + 10
+        while True:  # inhibition is computed as alerts arrive: allow it a moment
+            got = wait_for(states, 10, "the alerts in Alertmanager", am)
+            want = {("GemmdGpuSlowerThanPredicted", "1"): "active",
+                    ("GemmdGpuEnergyAbovePredicted", "1"): "suppressed",
+                    ("GemmdGpuPowerAbovePredicted", "1"): "suppressed",
+                    ("GemmdGpuSlowerThanSiblings", "1"): "suppressed",
+                    ("GemmdDeviceDown", "2"): "active",
+                    ("GemmdProbesStale", "2"): "suppressed",
+                    ("GemmdGpuEnergyAbovePredicted", "3"): "active"}
+            if got == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert got == want
+    finally:
+        am.kill()
 
 
 # ------------------------------------------------------------------------- dashboards

@@ -8,6 +8,12 @@ the probe plan, never from unbounded data.
 ``assemble()`` is the one place the groups are put together, for the daemon and the tests:
 the groups that change only with the state go in one registry (rendered once per change,
 see ``Exposition``), the live ones (probe in flight, self-metrics, process) in another.
+
+Probe series carry the device labels and ``probe`` only: the probe's name encodes its
+configuration, which ``gemmd_probe_info`` spells out as labels once per probe (join with
+``* on(instance, probe) group_left(dtype, ...) gemmd_probe_info``). Label sets that exist
+for alerting (skip reasons, clock-event reasons, outcomes) are exported in full from the
+start, at 0: a series that only appears when something happens cannot be alerted on.
 """
 
 from __future__ import annotations
@@ -25,16 +31,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gemmd import __version__
+from gemmd.devices.nvml import CLOCK_EVENT_REASONS
 from gemmd.gemm import COLUMN, PROBE_LABELS, TARGETS, UNIT
 from gemmd.state import DeviceState, Snapshot, State
 
 logger = logging.getLogger(__name__)
 
 DEVICE_LABELS = ("gpu", "uuid", "gpu_model")
+# What gemmd_device_info adds to the device labels: the backend, and the DeviceInfo.extra
+# keys of the same names where the backend fills them ("" otherwise).
+INFO_LABELS = ("backend", "driver_version", "cuda_driver_version", "pci_bus_id",
+               "vbios_version")
+# The probe series carry the device labels and `probe`; gemmd_probe_info has the rest.
+PROBE_SERIES_LABELS = (*DEVICE_LABELS, "probe")
 OUTCOMES = ("ok", "failed", "mismatch")
 KINDS = ("sentinel", "exploration")
-# Skip reasons that always exist (as zero) so that rate() and alerts see them from the start.
-SKIP_REASONS = ("other_processes", "duty_cycle", "device_down")
+# Every reason a round or probe is skipped for (gemmd/rounds.py and the backends'
+# busy_reason()), exported from the start at 0 so that rate() and alerts see them.
+SKIP_REASONS = ("device_down", "duty_cycle", "unsupported",  # rounds.py
+                "other_processes", "utilization", "other_memory", "host_busy")  # busy_reason
+# Every known clock-event reason, 0 or 1 on every device (CPU and fake ones included).
+CLOCK_EVENTS = tuple(CLOCK_EVENT_REASONS.values())
 
 _TARGETS = tuple((t, UNIT[t], COLUMN[t], noun) for t, noun in zip(TARGETS, (
     "median per-GEMM runtime", "average power over the probe window", "energy per GEMM")))
@@ -42,6 +59,11 @@ _TARGETS = tuple((t, UNIT[t], COLUMN[t], noun) for t, noun in zip(TARGETS, (
 
 def _dev_labels(d: DeviceState) -> list[str]:
     return [str(d.info.index), d.info.uuid, d.info.name]
+
+
+def _info_labels(d: DeviceState) -> list[str]:
+    extra = d.info.extra or {}
+    return [d.info.backend, *(str(extra.get(k) or "") for k in INFO_LABELS[1:])]
 
 
 class Snapshots:
@@ -115,8 +137,13 @@ class DeviceCollector(_Group):
 
     def _devices(self, devices: list[DeviceState]) -> Iterator[Metric]:
         L = DEVICE_LABELS
-        dinfo = GaugeMetricFamily("gemmd_device_info", "Probed device (value is always 1)",
-                                  labels=(*L, "backend", "sm_count", "memory_bytes"))
+        dinfo = GaugeMetricFamily("gemmd_device_info", "Probed device: backend, driver, "
+                                  "CUDA driver, PCI bus id and VBIOS (value is always 1)",
+                                  labels=(*L, *INFO_LABELS))
+        sms = GaugeMetricFamily("gemmd_device_streaming_multiprocessors",
+                                "Streaming multiprocessors of the device (GPUs only)", labels=L)
+        mem = GaugeMetricFamily("gemmd_device_memory_bytes",
+                                "Total memory of the device (GPUs only)", labels=L)
         up = GaugeMetricFamily("gemmd_device_up",
                                "1 if the device is probing normally, 0 if marked down", labels=L)
         fails = GaugeMetricFamily("gemmd_device_consecutive_failures",
@@ -148,8 +175,11 @@ class DeviceCollector(_Group):
                                     "probe (1 = active)", labels=(*L, "reason"))
         for d in devices:
             lv = _dev_labels(d)
-            dinfo.add_metric([*lv, d.info.backend, str(d.info.sm_count or ""),
-                              str(d.info.memory_bytes or "")], 1)
+            dinfo.add_metric([*lv, *_info_labels(d)], 1)
+            if d.info.sm_count:
+                sms.add_metric(lv, d.info.sm_count)
+            if d.info.memory_bytes:
+                mem.add_metric(lv, d.info.memory_bytes)
             up.add_metric(lv, 1.0 if d.up else 0.0)
             fails.add_metric(lv, d.consecutive_failures)
             plan.add_metric(lv, d.plan_size)
@@ -168,22 +198,32 @@ class DeviceCollector(_Group):
                     v = d.info.power_limit_w
                 if isinstance(v, (int, float)):
                     fam.add_metric(lv, float(v))
-            for r in d.context.get("clock_event_reasons", []):
-                reasons.add_metric([*lv, str(r)], 1)
-        yield from (dinfo, up, fails, plan, probes, skipped, rounds, busy, last,
+            active = {str(r) for r in d.context.get("clock_event_reasons", [])}
+            for r in sorted(set(CLOCK_EVENTS) | active):  # unknown bits (unknown_0x...) too
+                reasons.add_metric([*lv, r], 1.0 if r in active else 0.0)
+        yield from (dinfo, sms, mem, up, fails, plan, probes, skipped, rounds, busy, last,
                     *ctx_fams.values(), reasons)
 
 class ProbeCollector(_Group):
-    """Per device and sentinel probe: measured, predicted, interval, ratio, window."""
+    """Per device and sentinel probe: measured, predicted, interval, ratio, window; and
+    once per probe its configuration (gemmd_probe_info)."""
 
     name = "probes"
 
     def families(self, snap: Snapshot) -> Iterator[Metric]:
-        return self._probes(snap.devices, snap.probes)
+        return self._probes(snap.devices, snap.probes, snap.drift)
 
-    def _probes(self, devices: list[DeviceState], probes: list) -> Iterator[Metric]:
+    def _probes(self, devices: list[DeviceState], probes: list, drift: dict
+                ) -> Iterator[Metric]:
         by_uuid = {d.info.uuid: d for d in devices}
-        labels = (*DEVICE_LABELS, *PROBE_LABELS)
+        labels = PROBE_SERIES_LABELS
+        info = GaugeMetricFamily("gemmd_probe_info", "A probe's configuration, which its "
+                                 "name encodes (value is always 1)", labels=PROBE_LABELS)
+        specs = {ps.spec for uuid, ps in probes if uuid in by_uuid}
+        specs |= {spec for (uuid, spec, _) in drift if uuid in by_uuid}
+        for spec in sorted(specs):
+            info.add_metric([spec.labels()[k] for k in PROBE_LABELS], 1)
+        yield info
         fams: dict[str, GaugeMetricFamily] = {}
 
         def fam(name: str, doc: str) -> GaugeMetricFamily:
@@ -195,7 +235,7 @@ class ProbeCollector(_Group):
             d = by_uuid.get(uuid)
             if d is None:
                 continue
-            lv = [*_dev_labels(d), *(ps.spec.labels()[k] for k in PROBE_LABELS)]
+            lv = [*_dev_labels(d), ps.spec.name]
             m, p = ps.measurement, ps.prediction
             for name, unit, attr, noun in _TARGETS:
                 measured, predicted = getattr(m, attr), getattr(p, attr)
@@ -236,7 +276,7 @@ class DriftCollector(_Group):
 
     def _drift(self, devices: list[DeviceState], snap: Snapshot) -> Iterator[Metric]:
         by_uuid = {d.info.uuid: d for d in devices}
-        labels = (*DEVICE_LABELS, *PROBE_LABELS, "target")
+        labels = (*PROBE_SERIES_LABELS, "target")
         cusum = GaugeMetricFamily(
             "gemmd_probe_drift_cusum", "CUSUM of standardized residuals (alarm above "
             "gemmd_probe_drift_threshold)", labels=labels)
@@ -266,7 +306,7 @@ class DriftCollector(_Group):
             alarms[(*dl, target)] = alarms.get((*dl, target), 0) + tr.alarms
             if not tr.ready():
                 continue
-            lv = [*dl, *(spec.labels()[k] for k in PROBE_LABELS), target]
+            lv = [*dl, spec.name, target]
             cusum.add_metric(lv, tr.cusum)
             if tr.h is not None:
                 thr.add_metric(lv, tr.h)
