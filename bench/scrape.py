@@ -37,6 +37,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+import gemmd
+
 _SCRIPT = Path(sys.executable).with_name("gemmd")
 GEMMD = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "gemmd"]
 TICK = os.sysconf("SC_CLK_TCK")
@@ -220,7 +222,7 @@ def machine() -> str:
         rev = "git revision unknown"
     return (f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python "
             f"{platform.python_version()}, prometheus_client {version('prometheus_client')}; "
-            f"gemmd {version('gemmd')} ({rev})")
+            f"gemmd {gemmd.__version__} ({rev})")
 
 
 ROWS = (  # label, format over the results, the key compared with TARGETS

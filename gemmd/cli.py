@@ -86,6 +86,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.port is not None:
         cfg = _checked(dataclasses.replace(cfg, listen=dataclasses.replace(
             cfg.listen, port=args.port)), {"--port": args.port})
+    if args.web_config_file is not None:
+        cfg = _checked(dataclasses.replace(cfg, listen=dataclasses.replace(
+            cfg.listen, web_config_file=args.web_config_file)),
+            {"--web.config.file": args.web_config_file})
     setup_logging(args.log_level or cfg.log_level)
     from gemmd.daemon import Daemon
 
@@ -503,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", parents=[common], help="run the daemon")
     r.add_argument("--port", type=int, help="override listen.port (0: any free port)")
+    r.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                   help="TLS and basic auth: an exporter-toolkit web configuration file "
+                        "(overrides listen.web_config_file)")
     r.add_argument("--backend", choices=("auto", "nvidia", "cpu", "fake"))
     r.set_defaults(func=cmd_run)
 

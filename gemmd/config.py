@@ -41,6 +41,10 @@ def _f(default: Any, **meta: Any) -> Any:
 class ListenConfig:
     address: str = _f("0.0.0.0")
     port: int = _f(9477, min=0, max=65535)
+    # TLS and basic auth: a Prometheus exporter-toolkit web configuration file (the format
+    # of node_exporter's and dcgm-exporter's --web.config.file); relative to this file.
+    # Empty: plain HTTP, no authentication.
+    web_config_file: str = _f("")
 
 
 @dataclass(frozen=True)
@@ -461,8 +465,22 @@ def _check_address(addr: str, path: str, errs: _Errors) -> None:
         errs.add(path, f"{_short(addr)} is not an IP address or host name{hint}")
 
 
+def _check_web_config(path: str, errs: _Errors) -> None:
+    """The web configuration file is checked with the configuration (imported only when
+    one is named: the exporter's HTTP side is not needed otherwise)."""
+    from gemmd.exporter.http import load_web_config
+
+    try:
+        load_web_config(path)
+    except ConfigError as e:
+        for problem in e.problems:
+            errs.add("listen.web_config_file", f"{path}: {problem}")
+
+
 def _check_config(cfg: Config, errs: _Errors) -> None:
     """Checks across sections of the whole configuration."""
+    if cfg.listen.web_config_file:
+        _check_web_config(cfg.listen.web_config_file, errs)
     if isinstance(cfg.devices, str) and cfg.devices != "all":
         errs.add("devices", f"{_short(cfg.devices)} is not 'all' or a list of indices/UUIDs")
     elif isinstance(cfg.devices, tuple):
@@ -908,6 +926,10 @@ def load(path: str | Path | None) -> Config:
         return Config()
     source, text = _read(path)
     data, root = _read_yaml(text, source)
+    listen = data.get("listen") if isinstance(data, dict) else None
+    web = listen.get("web_config_file") if isinstance(listen, dict) else None
+    if isinstance(web, str) and web and not Path(web).is_absolute():
+        listen["web_config_file"] = str(Path(path).parent / web)  # relative to this file
     cfg, errs = _validate(data)
     if errs:
         raise _error(source, errs, root)

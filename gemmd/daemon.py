@@ -18,7 +18,7 @@ from gemmd.config import Config
 from gemmd.devices import Device
 from gemmd.drift import residual_of
 from gemmd.errors import GemmdError
-from gemmd.exporter import Exposition, serve
+from gemmd.exporter import Exposition, load_web_config, serve
 from gemmd.features import spec_of
 from gemmd.gemm import COLUMN, ProbeSpec
 from gemmd.probes import Measurement
@@ -87,18 +87,29 @@ class Daemon:
         self.scheduler.add_job(self._watchdog, "interval", seconds=5, id="hang-watchdog",
                                name="hang watchdog")
         self.scheduler.start()
-        logger.info("gemmd started: %d device(s), backend %s, state in %s, metrics on %s:%s",
-                    len(self.devices), self.devices[0].info.backend, self.state_dir,
-                    self.cfg.listen.address, self.port)
+        tls = bool(self.cfg.listen.web_config_file)
+        logger.info("gemmd started: %d device(s), backend %s, state in %s, metrics on "
+                    "%s://%s:%s/metrics", len(self.devices), self.devices[0].info.backend,
+                    self.state_dir, "https" if tls else "http", self.cfg.listen.address,
+                    self.port)
         sd_notify(f"READY=1\nSTATUS=probing {len(self.devices)} device(s)")
 
     def _serve(self) -> None:
         addr, port = self.cfg.listen.address, self.cfg.listen.port
+        path = self.cfg.listen.web_config_file
+        web = load_web_config(path) if path else None  # checked with the config already
         try:
-            self.httpd = serve(Exposition(self.state), addr, port)
+            self.httpd = serve(Exposition(self.state), addr, port, web_config=web,
+                               ready=self.ready)
         except OSError as e:
             raise GemmdError(f"listen {addr}:{port}: {e.strerror or e}") from e
         self.port = self.httpd.server_port
+
+    def ready(self) -> bool:
+        """For /-/ready: the store and devices are open (the daemon exists), its jobs are
+        scheduled, and it is not stopping."""
+        return self.scheduler is not None and self.scheduler.running and \
+            not self.stopping.is_set()
 
     def _restore(self) -> None:
         """Show the last stored sentinel results again after a restart (with their age)."""

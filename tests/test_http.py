@@ -811,3 +811,41 @@ def test_ipv6(start):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+# -------------------------------------------------- the daemon, wired
+
+def test_gemmd_run_serves_https_with_basic_auth_from_its_config(tmp_path, pki):
+    """listen.web_config_file (relative to the config file) reaches the daemon: HTTPS,
+    basic auth, /-/ready once the jobs run; a wrong password gets 401."""
+    import dataclasses
+    import urllib.error
+    import urllib.request
+
+    from gemmd.config import load
+    from gemmd.daemon import Daemon
+
+    (tmp_path / "web.yml").write_text(
+        tls_yaml(pki) + f"basic_auth_users:\n  prom: {hash_of(b's3cret')}\n")
+    cfg_path = tmp_path / "gemmd.yaml"
+    cfg_path.write_text("backend: fake\nlisten: {address: 127.0.0.1, port: 0, "
+                        "web_config_file: web.yml}\nprobes: {measure: {window_s: 0.2, "
+                        f"warmup_s: 0}}}}\nstate_dir: {tmp_path / 'state'}\n")
+    cfg = load(cfg_path)
+    assert cfg.listen.web_config_file == str(tmp_path / "web.yml")
+    d = Daemon(dataclasses.replace(cfg))
+    d.start()
+    try:
+        ctx = client_context(pki)
+        base = f"https://127.0.0.1:{d.port}"
+        with urllib.request.urlopen(base + "/-/ready", context=ctx, timeout=10) as r:
+            assert r.status == 200
+        req = urllib.request.Request(base + "/metrics", headers=basic("prom", "s3cret"))
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+            assert b"gemmd_build_info" in r.read()
+        bad = urllib.request.Request(base + "/metrics", headers=basic("prom", "wrong"))
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(bad, context=ctx, timeout=10)
+        assert e.value.code == 401
+    finally:
+        d.stop()

@@ -99,8 +99,9 @@ def test_ports_and_selectors_agree():
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node",
             "action": "replace"} in ep["relabelings"]
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, probe
+    for probe, path in (("startupProbe", "/-/ready"), ("livenessProbe", "/-/healthy"),
+                        ("readinessProbe", "/-/ready")):
+        assert c[probe]["httpGet"] == {"path": path, "port": "metrics"}, probe
 
 
 def test_configmap_config_passes_gemmds_own_validation():

@@ -3,6 +3,6 @@
 
 from gemmd.exporter.collectors import Metrics, assemble
 from gemmd.exporter.exposition import Exposition
-from gemmd.exporter.http import serve
+from gemmd.exporter.http import WebConfig, load_web_config, serve
 
-__all__ = ["Exposition", "Metrics", "assemble", "serve"]
+__all__ = ["Exposition", "Metrics", "WebConfig", "assemble", "load_web_config", "serve"]
