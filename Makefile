@@ -5,22 +5,28 @@ BIN := $(VENV)/bin
 
 .PHONY: run test setup image
 
-$(BIN)/gemmd: pyproject.toml
+# `make run` needs gemmd only; `make test` also the test tools and the real CuPy,
+# nvidia-ml-py and cuBLAS wheels the GPU contract tests run against (~0.7 GB).
+$(VENV)/.run-deps: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-setup: $(BIN)/gemmd
+setup: $(VENV)/.test-deps
 
 # Run the daemon on its defaults (backend auto: CPU when no GPU). State goes where the
 # CLI looks by default ($XDG_STATE_HOME/gemmd, else ~/.local/state/gemmd), so that
 # `.venv/bin/gemmd status` and the model commands find it.
-run: setup
+run: $(VENV)/.run-deps
 	$(BIN)/gemmd run --config gemmd.yaml
 
 # Lint, then the whole test suite (unit, end-to-end, integration).
-test: setup
+test: $(VENV)/.test-deps
 	$(BIN)/ruff check gemmd tests bench
 	$(BIN)/mypy
 	bash scripts/install-test-deps.sh
