@@ -42,28 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scrape as base  # noqa: E402  (bench/scrape.py: config, start-up, scrape helpers)
 
-
-def machine() -> str:
-    """CPU, cores, kernel, Python, prometheus_client, gemmd version and git revision."""
-    import platform
-    from importlib.metadata import version
-
-    import gemmd
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
-                .splitlines() if ln.startswith("model name")), platform.machine())
-    git = ["git", "-C", str(Path(__file__).resolve().parent.parent)]
-    try:
-        rev = "git " + subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True,
-                                      capture_output=True, text=True).stdout.strip()
-        if subprocess.run([*git, "status", "--porcelain", "--", "gemmd"], capture_output=True,
-                          text=True).stdout.strip():
-            rev += " + uncommitted changes in gemmd/"
-    except (OSError, subprocess.CalledProcessError):
-        rev = "git revision unknown"
-    return (f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python "
-            f"{platform.python_version()}, prometheus_client {version('prometheus_client')}; "
-            f"gemmd {gemmd.__version__} ({rev})")
+machine = base.machine  # CPU, cores, kernel, Python, library versions, revision
 
 
 def timed_scrape(port: int, prom: bool = True, timeout: float = 10.0) -> tuple[float, bool]:

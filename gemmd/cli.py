@@ -63,6 +63,17 @@ def _load_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def _existing_store(cfg: Config) -> tuple[Path, Any]:
+    """The store of the configured state directory, which a daemon must have made."""
+    from gemmd.store import Store
+
+    db = cfg.resolved_state_dir() / "gemmd.db"
+    if not db.is_file():
+        raise GemmdError(f"no store at {db} (has gemmd run there? see state_dir, "
+                         "--state-dir)")
+    return db, Store(db)
+
+
 def _checked(cfg: Config, options: dict[str, Any]) -> Config:
     """A config changed by command-line options, checked by the rules of a file."""
     return check(cfg, "command line (" + ", ".join(
@@ -263,13 +274,9 @@ def _print_rows(rows: list[dict[str, Any]], fmt: str, model_version: str) -> Non
 
 def cmd_status(args: argparse.Namespace) -> int:
     from gemmd.features import spec_of
-    from gemmd.store import Store
 
     cfg = _load_config(args)
-    db = cfg.resolved_state_dir() / "gemmd.db"
-    if not db.is_file():
-        raise GemmdError(f"no store at {db} (has gemmd run there? see state_dir)")
-    store = Store(db)
+    db, store = _existing_store(cfg)
     try:
         devices, counts, latest = store.devices(), store.counts(), store.latest_per_probe()
         model, models, sources = store.active_model(), store.models(), store.sources()
@@ -362,14 +369,10 @@ def _drift_summary(cfg: Config, state_dir: Path) -> dict[str, dict[str, Any]]:
 def cmd_rebaseline(args: argparse.Namespace) -> int:
     """Accept the current behaviour of devices as their new normal."""
     from gemmd import rebaseline
-    from gemmd.store import Store
 
     cfg = _load_config(args)
-    state_dir = cfg.resolved_state_dir()
-    db = state_dir / "gemmd.db"
-    if not db.is_file():
-        raise GemmdError(f"no store at {db} (has gemmd run there? see state_dir)")
-    store = Store(db)
+    db, store = _existing_store(cfg)
+    state_dir = db.parent
     try:
         known = store.devices()
         uuids: list[str] | None = None
@@ -397,7 +400,6 @@ def _stamp(ts: float) -> str:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """Delete stored results of one source, on request (the daemon prunes only its own)."""
-    from gemmd.store import Store
 
     if not (args.all or args.older_than is not None or args.max_rows is not None):
         args._parser.error("say what to delete: --older-than DAYS, --max-rows N or --all")
@@ -406,10 +408,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.older_than is not None and not args.older_than >= 0:
         args._parser.error(f"--older-than {args.older_than:g}: must be 0 or more days")
     cfg = _load_config(args)
-    db = cfg.resolved_state_dir() / "gemmd.db"
-    if not db.is_file():
-        raise GemmdError(f"no store at {db} (has gemmd run there? see state_dir)")
-    store = Store(db)
+    db, store = _existing_store(cfg)
     try:
         known = {s["source"]: s["rows"] for s in store.sources()}
         if args.source not in known:
