@@ -29,8 +29,8 @@ import numpy as np
 
 from gemmd import datasets, evaluate
 from gemmd.config import ModelConfig
-from gemmd.gemm import ProbeSpec
-from gemmd.model import _COLUMN, TARGETS, ForestModel
+from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
+from gemmd.model import ForestModel
 
 ALL = ("gpperf-cutlass", "gpperf-tiled", "b200", "xla")
 CV_MAX_ROWS = 50_000  # grouped 5-fold CV only where it is cheap
@@ -60,7 +60,7 @@ def grouped_cv(t, folds: int = 5) -> dict:
             for target, res in model.predict_table(t.take(test)).items():
                 p = preds[model.name].setdefault(target, np.full(len(t), np.nan))
                 p[test] = res["point"]
-    return {name: {tg: evaluate.metrics(t[_COLUMN[tg]], p) for tg, p in d.items()}
+    return {name: {tg: evaluate.metrics(t[COLUMN[tg]], p) for tg, p in d.items()}
             for name, d in preds.items()}
 
 

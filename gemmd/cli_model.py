@@ -1,4 +1,4 @@
-"""Offline model commands: fit, evaluate, predict, advise, import, report.
+"""Offline model commands: fit, evaluate, predict, advise, import, export, report.
 
 Data comes from files (any format gemmd reads; see docs/model.md) or from the store by
 source name (the daemon's probes are source "daemon"; imports are named). Usage errors
@@ -86,7 +86,8 @@ def _dataset(args: argparse.Namespace):
     if args.files and args.source:
         args._parser.error("give input files or --source, not both")
     if args.files:
-        return _cfg(args), datasets.load(args.format, args.files, gpu=args.gpu)
+        return _cfg(args), datasets.load(args.format, args.files, gpu=args.gpu,
+                                         catalog=_catalog(args))
     from gemmd.registry import training_data
 
     sources = args.source or ["daemon"]
@@ -100,6 +101,23 @@ def _dataset(args: argparse.Namespace):
                          "(see gemmd status; imports are named with gemmd import --name)")
     return cfg, datasets.Dataset("+".join(sources), Table.from_rows(rows, infos),
                                  [f"store:{s}" for s in sources])
+
+
+def _catalog(args: argparse.Namespace):
+    """The GPU catalogue (gemmd/hardware.py) plus the GPUs of --gpu-spec FILE."""
+    from gemmd.hardware import CATALOGUE, SpecError, load_gpu_specs
+
+    cat = getattr(args, "_catalog", None)
+    if cat is None:
+        specs = []
+        for path in getattr(args, "gpu_spec", None) or []:
+            try:
+                specs += load_gpu_specs(path, CATALOGUE)
+            except SpecError as e:
+                raise InputError(f"--gpu-spec {e}") from None
+        cat = args._catalog = CATALOGUE.with_specs(specs) if specs else CATALOGUE
+        args._spec_keys = [x.key for x in specs]
+    return cat
 
 
 def _nonempty(what: str):
@@ -132,12 +150,20 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    "the store, see --source)")
     p.add_argument("--format", choices=FORMAT_CHOICES, default="auto",
                    help="format of FILE (default: detected from the header)")
-    p.add_argument("--gpu", help="GPU the file's rows ran on when it has no GPU column "
-                   "(rtx4070, b200, h100-sxm, mi355x)")
+    p.add_argument("--gpu", help="GPU the rows ran on, for files without a GPU column (a "
+                   "file that names its GPU and a different --gpu is an error): a catalogue "
+                   "key or the name nvidia-smi prints, e.g. a100-sxm-80gb, 'NVIDIA L4'")
+    _spec_arg(p)
     p.add_argument("--source", action="append", default=[], metavar="NAME",
                    help="store source to use (repeatable; default: daemon)")
     p.add_argument("--jobs", type=int_range("--jobs", 1, max(1, os.cpu_count() or 1) * 4),
                    default=1, help="CPU cores for fitting (default 1)")
+
+
+def _spec_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-spec", action="append", default=[], metavar="FILE",
+                   help="YAML/JSON file describing GPUs the catalogue lacks (name, "
+                        "peak_tflops per dtype, bandwidth_gbs...; see docs/model.md)")
 
 
 def _pct(v: float | None) -> str:
@@ -269,7 +295,22 @@ def print_evaluation(res: dict[str, Any]) -> None:
 
 
 def _load_model(args: argparse.Namespace):
-    """(model, version label, store devices) from --model FILE or the store's active one."""
+    """(model, version label, store devices) from --model FILE or the store's active one;
+    with --calibrate FILE..., that model carried over to the files' device (transfer)."""
+    model, version, infos = _load_base_model(args)
+    if not getattr(args, "calibrate", None):
+        return model, version, infos
+    from gemmd import datasets
+    from gemmd.model import TransferModel
+
+    ds = datasets.load("auto", args.calibrate, gpu=args.gpu, catalog=_catalog(args))
+    cfg = _cfg(args)
+    model = TransferModel.fit(model, ds.table, cfg.model)
+    args._calibrated = ds.table.devices
+    return model, f"{version}+calibrated on {len(ds.table):,} rows", infos
+
+
+def _load_base_model(args: argparse.Namespace):
     from gemmd.model import ForestModel
 
     if args.model:
@@ -295,11 +336,19 @@ def _store_infos(store) -> list:
 def _device(args: argparse.Namespace, model, store_infos: list):
     from gemmd.datasets import known_gpu, known_gpu_names
 
+    cat = _catalog(args)
     if args.gpu:
-        info = known_gpu(args.gpu)
+        info = known_gpu(args.gpu, cat)
         if info is None:
-            args._parser.error(f"unknown GPU {args.gpu!r} (known: {known_gpu_names()})")
+            args._parser.error(f"unknown GPU {args.gpu!r} (known: {known_gpu_names(cat)}; "
+                               "describe another with --gpu-spec FILE)")
         return info
+    calibrated = getattr(args, "_calibrated", None)
+    if calibrated and len(calibrated) == 1 and not args.device:
+        return calibrated[0]
+    spec_keys = getattr(args, "_spec_keys", [])
+    if len(spec_keys) == 1 and not args.device:
+        return cat.info(spec_keys[0])
     trained = model.device_infos()
     if args.device:
         for d in trained + store_infos:
@@ -334,8 +383,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = model.predict_table(Table.from_rows([row], [info]))
     dt = time.perf_counter() - t0
+    first = next(iter(res.values()))
     out = {"gemm": row, "device": info.name, "model": version,
            "interval": model.meta.get("interval"), "predict_seconds": dt,
+           "in_domain": bool(first["in_domain"][0]), "domain": str(first["domain"][0]),
            **{t: {"value": float(r["point"][0]), "lo": float(r["lo"][0]),
                   "hi": float(r["hi"][0])} for t, r in res.items()}}
     if args.json:
@@ -344,6 +395,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     cfg = _describe(row)
     print(f"{args.m}x{args.n}x{args.k} {cfg} on {info.name} (model {version}, "
           f"{100 * model.meta.get('interval', 0.9):.0f}% interval)")
+    if not out["in_domain"]:
+        print(f"  outside the training data: {out['domain']}; a guess, its interval widened "
+              "to say so")
     flops = 2.0 * args.batch * args.m * args.n * args.k
     for t in ("runtime", "power", "energy"):
         if t not in out:
@@ -375,6 +429,14 @@ def cmd_advise(args: argparse.Namespace) -> int:
     info = _device(args, model, infos)
     configs = [c for c in model.meta.get("configs", []) if c["device"] == info.uuid
                and (not args.dtype or c["dtype"] == args.dtype)]
+    borrowed = False
+    if not configs:  # a GPU the model never saw: the configurations it saw elsewhere
+        seen: dict[tuple, dict[str, Any]] = {}
+        for c in model.meta.get("configs", []):
+            if not args.dtype or c["dtype"] == args.dtype:
+                seen.setdefault(tuple(sorted((k, str(v)) for k, v in c.items()
+                                             if k != "device")), c)
+        configs, borrowed = list(seen.values()), True
     if not configs:
         which = f" for {args.dtype}" if args.dtype else ""
         raise GemmdError(f"the model knows no configuration{which} on {info.name}")
@@ -384,6 +446,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
         rows.append({**r, "m": args.m, "n": args.n, "k": args.k, "batch": args.batch})
     res = model.predict_table(Table.from_rows(rows, [info] * len(rows)))
     rt = res["runtime"]["point"]
+    dom = res["runtime"]["in_domain"]
+    reason = next((str(r) for r, d in zip(res["runtime"]["domain"], dom) if not d), "")
     en = res["energy"]["point"] if "energy" in res else np.full(len(rows), np.nan)
     pw = res["power"]["point"] if "power" in res else np.full(len(rows), np.nan)
     fastest = int(np.argmin(rt))
@@ -391,8 +455,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
     ranked = sorted(range(len(rows)), key=lambda i: rt[i])
     if args.json:
         print(json.dumps({"gemm": [args.m, args.n, args.k], "device": info.name,
-                          "model": version, "fastest": _advice(rows[fastest], rt, pw, en,
-                                                               fastest),
+                          "model": version, "in_domain": bool(dom.all()),
+                          "domain": reason, "configurations_from_other_gpus": borrowed,
+                          "fastest": _advice(rows[fastest], rt, pw, en, fastest),
                           "most_energy_efficient": None if frugal is None else
                           _advice(rows[frugal], rt, pw, en, frugal),
                           "configurations": [_advice(rows[i], rt, pw, en, i) for i in ranked]},
@@ -400,6 +465,10 @@ def cmd_advise(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.m}x{args.n}x{args.k} on {info.name}: {len(rows)} known configurations "
           f"(model {version})")
+    if borrowed:
+        print("  the model has no data on this GPU: configurations seen on other GPUs")
+    if not dom.all():
+        print(f"  outside the training data: {reason}; the ranking is a guess")
     print(f"  fastest:                {_describe(rows[fastest])}: "
           f"{fmt_value('runtime', rt[fastest])}, {fmt_value('energy', en[fastest])}")
     if frugal is not None:
@@ -428,7 +497,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from gemmd import datasets, importer
 
     name = importer.check_source_name(args.name) if args.name is not None else None
-    ds = datasets.load(args.format, args.files, gpu=args.gpu)
+    ds = datasets.load(args.format, args.files, gpu=args.gpu, catalog=_catalog(args))
     source = name or ds.name.replace("+", "_")
     _, store = _store(args, must_exist=False)
     try:
@@ -442,6 +511,96 @@ def cmd_import(args: argparse.Namespace) -> int:
     print(f"  kept apart from the daemon's probes; use them with --source {source}")
     for note in ds.notes:
         print(f"  note: {note}")
+    return 0
+
+
+# Columns of `gemmd export`, in order: gemmd's generic CSV (docs/model.md), so that
+# `gemmd import` reads an export back, plus where each row came from.
+EXPORT_COLUMNS = ("host", "source", "kind", "timestamp", "device_uuid", "gpu", "gpu_key",
+                  "m", "n", "k", "batch", "dtype", "kernel", "tile", "layout", "cta_m",
+                  "cta_n", "cta_k", "stages", "alpha", "beta", "out_dtype", "runtime_s",
+                  "power_w", "energy_j")
+EXPORT_DEVICE = (*(f"peak_{d}_tflops" for d in DTYPES), "mem_bandwidth_gbs", "sm_count",
+                 "power_limit_w")
+
+
+def export_rows(store, sources: list[str] | None, include_flagged: bool = False,
+                host: str | None = None):
+    """(header, rows) of ``gemmd export``: every stored result of ``sources`` (all when
+    None) with its device's identity and figures, oldest first."""
+    import socket
+
+    from gemmd.hardware import gpu_model_key
+    from gemmd.registry import device_infos
+
+    infos = device_infos(store)
+    host = host or socket.gethostname()
+    header = (*EXPORT_COLUMNS, *EXPORT_DEVICE)
+    dev_cols: dict[str, list[Any]] = {}
+    for uuid, d in infos.items():
+        dev_cols[uuid] = [_g(d.peak_flops.get(x), 1e-12) for x in DTYPES] + [
+            _g(d.mem_bandwidth or None, 1e-9), d.sm_count or "",
+            _g(d.power_limit_w)]
+    out = []
+    for r in reversed(store.probes(sources=sources, include_flagged=include_flagged)):
+        d = infos.get(r["device_uuid"])
+        rec = {**r, "host": host, "timestamp": _g(r["ts"]), "gpu": r.get("device_name") or
+               (d.name if d else ""), "gpu_key": gpu_model_key(d) if d else ""}
+        row = []
+        for c in EXPORT_COLUMNS:
+            v = rec.get(c)
+            row.append("" if v is None else _g(v) if isinstance(v, float) else v)
+        out.append(row + dev_cols.get(r["device_uuid"], [""] * len(EXPORT_DEVICE)))
+    return header, out
+
+
+def _g(v: Any, factor: float = 1.0) -> Any:
+    """A number as exactly as it was stored (repr), '' for None/NaN."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return ""
+    x = float(v) * factor
+    if factor != 1.0:
+        x = float(f"{x:.12g}")  # 2039e9 B/s -> 2039 GB/s, not 2039.0000000000002
+    return int(x) if x.is_integer() and abs(x) < 2**53 else repr(x)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import csv
+
+    sources = None if args.all_sources else (args.source or ["daemon"])
+    _, store = _store(args)
+    try:
+        header, rows = export_rows(store, sources, args.include_flagged)
+    finally:
+        store.close()
+    if not rows:
+        which = "any source" if sources is None else f"source {', '.join(sources)}"
+        raise InputError(f"the store holds no results of {which} (see gemmd status)")
+    out = str(args.out)
+    if out.endswith(".parquet"):
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise InputError("--out *.parquet needs pyarrow (pip install pyarrow); "
+                             "write a .csv instead") from None
+        cols = {h: [r[i] if r[i] != "" else None for r in rows] for i, h in enumerate(header)}
+        pq.write_table(pa.table({h: [None if v is None else str(v) for v in vals]
+                                 for h, vals in cols.items()}), out)
+    elif out == "-":
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(header)
+        w.writerows(rows)
+        return 0
+    else:
+        try:
+            with open(out, "w", newline="", encoding="utf-8") as f:
+                w = csv.writer(f, lineterminator="\n")
+                w.writerow(header)
+                w.writerows(rows)
+        except OSError as e:
+            raise InputError(f"--out {out}: cannot write: {e.strerror or e}") from e
+    print(f"exported {len(rows):,} rows to {out}", file=sys.stderr)
     return 0
 
 
@@ -473,8 +632,14 @@ def _gemm_args(p: argparse.ArgumentParser, dtype_required: bool) -> None:
     p.add_argument("--dtype", choices=DTYPES, required=dtype_required)
     p.add_argument("--batch", type=_dim, default=1)
     p.add_argument("--model", type=Path, help="model file (default: the store's active model)")
-    p.add_argument("--gpu", help="a GPU from the datasheet table (rtx4070, b200, h100-sxm, "
-                                 "mi355x)")
+    p.add_argument("--gpu", help="a GPU of the catalogue (gemmd/hardware.py: V100 to B300, "
+                                 "RTX 4070/4090/6000 Ada, MI300X/MI355X; key or nvidia-smi "
+                                 "name) or of --gpu-spec")
+    _spec_arg(p)
+    p.add_argument("--calibrate", action="append", default=[], metavar="FILE",
+                   help="measurements of the device (any format gemmd reads): carry the "
+                        "model over to it, a device-wide then per dtype/kernel correction "
+                        "(repeatable)")
     p.add_argument("--device", type=_nonempty("--device"),
                    help="a device of the model or the store (uuid prefix or index)")
     p.add_argument("--json", action="store_true")
@@ -519,8 +684,21 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     i.add_argument("files", nargs="+", metavar="FILE")
     i.add_argument("--format", choices=FORMAT_CHOICES, default="auto")
     i.add_argument("--name", help="source name (default: the format's name)")
-    i.add_argument("--gpu", help="GPU of the rows when the file has no GPU column")
+    i.add_argument("--gpu", help="GPU of the rows when the file has no GPU column (a file "
+                   "that names its GPU and a different --gpu is an error)")
+    _spec_arg(i)
     i.set_defaults(func=cmd_import, _parser=i)
+
+    x = sub.add_parser("export", parents=[common],
+                       help="stored results with their device, as CSV for another host")
+    x.add_argument("--source", action="append", default=[], metavar="NAME",
+                   help="store source to export (repeatable; default: daemon)")
+    x.add_argument("--all-sources", action="store_true", help="every source")
+    x.add_argument("--include-flagged", action="store_true",
+                   help="also results taken while a device was flagged as drifting")
+    x.add_argument("--out", default="-", help="output file (default: stdout); *.parquet "
+                                              "writes Parquet if pyarrow is installed")
+    x.set_defaults(func=cmd_export, _parser=x)
 
     r = sub.add_parser("report", parents=[common],
                        help="HTML report: predicted vs measured, error by size and config")

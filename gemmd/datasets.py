@@ -9,6 +9,8 @@ row 1) and the column; a file is read whole or not at all.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -23,56 +25,28 @@ from gemmd.devices.base import DeviceInfo
 from gemmd.errors import InputError
 from gemmd.features import NUMERIC_DEFAULTS, Table, concat, flops
 from gemmd.gemm import DATA_KERNELS, DTYPES, LAYOUTS, TARGET_COLUMNS
-from gemmd.hardware import peak_flops
+from gemmd.hardware import CATALOGUE, Catalogue, SpecError, compact, spec_from_mapping
 
 # ------------------------------------------------------------------ known GPUs
 
-T = 1e12
+# Every GPU of the catalogue (gemmd/hardware.py: datasheet figures, sources named there)
+# as a reference DeviceInfo, by key; known_gpu() also takes the names NVML and tools print.
+KNOWN_GPUS: dict[str, DeviceInfo] = {k: CATALOGUE.info(k) for k in CATALOGUE.keys()}
 
 
-def _nvidia(key: str, name: str, cc: tuple[int, int], sms: int, clock_hz: float,
-            bandwidth: float, memory: int, power_w: float) -> DeviceInfo:
-    return DeviceInfo(index=0, uuid=f"ref-{key}", name=name, backend="reference",
-                      peak_flops=peak_flops(cc, sms, clock_hz), mem_bandwidth=bandwidth,
-                      sm_count=sms, memory_bytes=memory, power_limit_w=power_w,
-                      extra={"vendor": "nvidia", "compute_capability": f"{cc[0]}.{cc[1]}",
-                             "sm_clock_hz": clock_hz, "key": key})
+def known_gpu(name: str, catalog: Catalogue | None = None) -> DeviceInfo | None:
+    """The datasheet DeviceInfo for a GPU key or name (case, punctuation, vendor words
+    ignored: 'NVIDIA A100-SXM4-80GB', 'Tesla V100-PCIE-32GB', 'sm_90'), or None."""
+    return (catalog or CATALOGUE).info(name)
 
 
-# Datasheet figures. NVIDIA peaks are computed like the daemon's (FLOP/clock/SM x SMs x
-# clock): RTX 4070 at its 2.475 GHz boost, B200 at the 1.965 GHz the B200 data was taken
-# at, H100 SXM at 1.98 GHz. gfx950 (MI355X) is AMD's datasheet; it has no TF32 units, and
-# XLA's f32 GEMMs reach 1.0 PFLOP/s there (reduced-precision passes), so its "tf32" entry
-# is half the bf16 rate, which keeps every XLA f32 row below its roofline.
-KNOWN_GPUS: dict[str, DeviceInfo] = {
-    "rtx4070": _nvidia("rtx4070", "NVIDIA GeForce RTX 4070", (8, 9), 46, 2.475e9, 504e9,
-                       12 << 30, 200.0),
-    "b200": _nvidia("b200", "NVIDIA B200", (10, 0), 148, 1.965e9, 8e12, 192 << 30, 1000.0),
-    "h100-sxm": _nvidia("h100-sxm", "NVIDIA H100 SXM (sm_90)", (9, 0), 132, 1.98e9, 3.35e12,
-                        80 << 30, 700.0),
-    "mi355x": DeviceInfo(index=0, uuid="ref-mi355x", name="AMD Instinct MI355X (gfx950)",
-                         backend="reference",
-                         peak_flops={"fp64": 78.6 * T, "fp32": 157.3 * T, "tf32": 1250 * T,
-                                     "fp16": 2500 * T, "bf16": 2500 * T, "fp8": 5000 * T},
-                         mem_bandwidth=8e12, sm_count=256, memory_bytes=288 << 30,
-                         power_limit_w=1400.0, extra={"vendor": "amd", "key": "mi355x"}),
-}
-_ALIASES = {
-    "rtx4070": "rtx4070", "geforcertx4070": "rtx4070", "nvidiageforcertx4070": "rtx4070",
-    "b200": "b200", "nvidiab200": "b200", "b200sxm192gb": "b200", "sm100b200": "b200",
-    "sm100": "b200", "h100": "h100-sxm", "h100sxm": "h100-sxm", "nvidiah100sxm": "h100-sxm",
-    "sm90": "h100-sxm", "mi355x": "mi355x", "gfx950": "mi355x", "amdinstinctmi355x": "mi355x",
-}
+def known_gpu_names(catalog: Catalogue | None = None) -> str:
+    return (catalog or CATALOGUE).names()
 
 
-def known_gpu(name: str) -> DeviceInfo | None:
-    """The datasheet DeviceInfo for a GPU key or common name (case and punctuation ignored)."""
-    key = _ALIASES.get(re.sub(r"[^a-z0-9]", "", name.lower()))
-    return KNOWN_GPUS[key] if key else None
-
-
-def known_gpu_names() -> str:
-    return ", ".join(KNOWN_GPUS)
+def _unknown_gpu(name: str, catalog: Catalogue | None) -> str:
+    return (f"unknown GPU {name!r} (known: {known_gpu_names(catalog)}; describe another "
+            "with --gpu-spec FILE or peak_<dtype>_tflops and mem_bandwidth_gbs columns)")
 
 
 # ------------------------------------------------------------------ datasets
@@ -229,24 +203,25 @@ def _table(size: int, info: DeviceInfo | Sequence[DeviceInfo],
     return Table(full, devices, np.zeros(n, dtype=np.int64) if device is None else device)
 
 
-def _gpu(name: str, path: str) -> DeviceInfo:
-    info = known_gpu(name)
+def _gpu(name: str, path: str, catalog: Catalogue | None = None) -> DeviceInfo:
+    info = known_gpu(name, catalog)
     if info is None:
-        raise InputError(f"{path}: unknown GPU {name!r} (known: {known_gpu_names()})")
+        raise InputError(f"{path}: --gpu: {_unknown_gpu(name, catalog)}")
     return info
 
 
-def load_gpperf_cutlass(path: str | Path, gpu: str | None = None) -> Dataset:
+def load_gpperf_cutlass(path: str | Path, gpu: str | None = None,
+                        catalog: Catalogue | None = None) -> Dataset:
     """GPPerf's CUTLASS profiler runs (RTX 4070, fp32 SIMT). runtime_ms -> s; power_W as
     is ("[N/A]" on most rows); energy = power x runtime where power was read."""
     f = _Csv(path)
     f.require("M", "N", "K", "layout", "cta_m", "cta_n", "cta_k", "runtime_ms", "power_W")
-    info = _gpu(gpu or (f.text("gpu_name")[0] if f.has("gpu_name") else "rtx4070"), f.path)
+    infos, device = _gpus(f, "gpu_name", gpu, catalog, default="rtx4070")
     rt = f.floats("runtime_ms", positive=True, hi=1e7, unit="ms") / 1e3
     pw = f.floats("power_W", optional=True, positive=True, hi=5000, unit="W")
     opt = {c: f.floats(c) for c in ("stages", "alpha", "beta") if f.has(c)}
     n = len(f)
-    t = _table(n, info, m=_dims(f, "M"), n=_dims(f, "N"), k=_dims(f, "K"),
+    t = _table(n, infos, device, m=_dims(f, "M"), n=_dims(f, "N"), k=_dims(f, "K"),
                dtype="fp32", kernel="cutlass",
                layout=f.choice("layout", {x: x for x in LAYOUTS}, "layout"),
                cta_m=_dims(f, "cta_m"), cta_n=_dims(f, "cta_n"), cta_k=_dims(f, "cta_k"),
@@ -259,12 +234,13 @@ def load_gpperf_cutlass(path: str | Path, gpu: str | None = None) -> Dataset:
         "rounded to 1 mJ)"])
 
 
-def load_gpperf_tiled(path: str | Path, gpu: str | None = None) -> Dataset:
+def load_gpperf_tiled(path: str | Path, gpu: str | None = None,
+                      catalog: Catalogue | None = None) -> Dataset:
     """GPPerf's naive tiled kernel: execution_times_all.csv (ms) or
     power_usage_results_all.csv (W); one target per file."""
     f = _Csv(path)
     f.require("M", "N", "K", "Tile Size")
-    info = _gpu(gpu or "rtx4070", f.path)
+    info = _gpu(gpu or "rtx4070", f.path, catalog)
     if f.has("Execution Time"):
         target = {"runtime_s": f.floats("Execution Time", positive=True, hi=1e7,
                                         unit="ms") / 1e3}
@@ -284,11 +260,12 @@ _B200_DTYPES = {"half": "fp16", "fp16": "fp16", "float16": "fp16", "bf16": "bf16
                 "bfloat16": "bf16", "fp8": "fp8", "float": "fp32", "fp32": "fp32"}
 
 
-def load_b200(path: str | Path, gpu: str | None = None) -> Dataset:
+def load_b200(path: str | Path, gpu: str | None = None,
+              catalog: Catalogue | None = None) -> Dataset:
     """apex_plus B200 GEMMs: columns m,k,n (that order), time in us, energy in uJ."""
     f = _Csv(path)
     f.require("dtype", "m", "k", "n", "time(us)", "avg_power(W)", "avg_energy(uJ)")
-    infos = _gpus(f, "gpu", gpu)
+    infos = _gpus(f, "gpu", gpu, catalog)
     rt = f.floats("time(us)", positive=True, hi=1e10, unit="us") / 1e6
     t = _table(len(f), *infos, m=_dims(f, "m"), n=_dims(f, "n"), k=_dims(f, "k"),
                dtype=f.choice("dtype", _B200_DTYPES, "dtype"), kernel="blas", runtime_s=rt,
@@ -315,12 +292,13 @@ def _xla_dtype(s: str) -> tuple[str, str] | None:
     return (a if a == b or "fp8" not in (a, b) else "fp8"), o
 
 
-def load_xla(path: str | Path, gpu: str | None = None) -> Dataset:
+def load_xla(path: str | Path, gpu: str | None = None,
+             catalog: Catalogue | None = None) -> Dataset:
     """OpenXLA's matmul table: runtime_us_derived = 2 b m n k / flops_per_s (us -> s).
     f32 GEMMs are taken as TF32 (tensor cores), fp8 variants as fp8."""
     f = _Csv(path)
     f.require("gpu_key", "b", "m", "n", "k", "dtype", "runtime_us_derived")
-    infos = _gpus(f, "gpu_key", gpu)
+    infos = _gpus(f, "gpu_key", gpu, catalog)
     raw = f.text("dtype")
     dt, out = np.empty(len(f), dtype=object), np.empty(len(f), dtype=object)
     for i, s in enumerate(raw):
@@ -341,13 +319,20 @@ def _dims(f: _Csv, name: str) -> np.ndarray:
     return f.floats(name, positive=True, integer=True, hi=1 << 24)
 
 
-def _gpus(f: _Csv, column: str, gpu: str | None) -> tuple[list[DeviceInfo], np.ndarray]:
-    """(distinct DeviceInfos, index per row) from a GPU-name column, or ``gpu`` for all."""
-    if gpu is not None:
-        return [_gpu(gpu, f.path)], np.zeros(len(f), dtype=np.int64)
+def _gpus(f: _Csv, column: str, gpu: str | None, catalog: Catalogue | None = None,
+          default: str | None = None) -> tuple[list[DeviceInfo], np.ndarray]:
+    """(distinct DeviceInfos, index per row) from a GPU-name column; ``gpu`` (--gpu) where
+    the file has none. A file that names its GPUs and a --gpu that is not the same GPU
+    on every row is an error: the file's own column is never silently overridden."""
+    cat = catalog or CATALOGUE
     if not f.has(column):
+        if gpu is not None:
+            return [_gpu(gpu, f.path, cat)], np.zeros(len(f), dtype=np.int64)
+        if default is not None:
+            return [_gpu(default, f.path, cat)], np.zeros(len(f), dtype=np.int64)
         raise InputError(f"{f.path}: missing column {column} (or give the GPU with --gpu; "
-                         f"known: {known_gpu_names()})")
+                         f"known: {known_gpu_names(cat)})")
+    want = _gpu(gpu, f.path, cat) if gpu is not None else None
     names = f.text(column)
     infos: list[DeviceInfo] = []
     seen: dict[str, int] = {}
@@ -355,9 +340,12 @@ def _gpus(f: _Csv, column: str, gpu: str | None) -> tuple[list[DeviceInfo], np.n
     for i, name in enumerate(names):
         j = seen.get(name)
         if j is None:
-            info = known_gpu(name)
+            info = known_gpu(name, cat)
             if info is None:
-                raise f.error(i, column, f"unknown GPU {name!r} (known: {known_gpu_names()})")
+                raise f.error(i, column, _unknown_gpu(name, cat))
+            if want is not None and info.uuid != want.uuid:
+                raise f.error(i, column, f"{name!r} is not --gpu {gpu!r} ({want.name}): the "
+                                         "file names its GPU; drop --gpu or fix the column")
             j = next((x for x, d in enumerate(infos) if d.uuid == info.uuid), None)
             if j is None:
                 j = len(infos)
@@ -369,62 +357,156 @@ def _gpus(f: _Csv, column: str, gpu: str | None) -> tuple[list[DeviceInfo], np.n
 
 # ------------------------------------------------------------ gemmd's generic CSV
 
-DTYPE_ALIASES = {**{d: d for d in DTYPES}, "float64": "fp64", "double": "fp64",
-                 "float32": "fp32", "float": "fp32", "single": "fp32", "float16": "fp16",
-                 "half": "fp16", "bfloat16": "bf16", "float8": "fp8", "fp8_e4m3": "fp8",
-                 "fp8_e5m2": "fp8", "e4m3": "fp8", "e5m2": "fp8"}
-# Unit-suffixed target columns and their factor to SI.
-TARGET_UNITS = {
-    "runtime_s": ("runtime_s", 1.0), "runtime_ms": ("runtime_s", 1e-3),
-    "runtime_us": ("runtime_s", 1e-6), "power_w": ("power_w", 1.0),
-    "power_mw": ("power_w", 1e-3), "energy_j": ("energy_j", 1.0),
-    "energy_mj": ("energy_j", 1e-3), "energy_uj": ("energy_j", 1e-6),
+DTYPE_ALIASES = {**{d: d for d in DTYPES}, "float64": "fp64", "double": "fp64", "f64": "fp64",
+                 "float32": "fp32", "float": "fp32", "single": "fp32", "f32": "fp32",
+                 "float16": "fp16", "half": "fp16", "f16": "fp16", "bfloat16": "bf16",
+                 "bfloat": "bf16", "tensorfloat32": "tf32", "float8": "fp8",
+                 "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "e4m3": "fp8", "e5m2": "fp8",
+                 "e4m3fn": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+                 "float8_e4m3": "fp8", "fp8e4m3": "fp8", "fp8e5m2": "fp8"}
+# Measurement columns: a stem naming the quantity and a unit, written runtime_ms,
+# "latency (us)", time[ns], energy-mJ... The first stem of each list wins when a file has
+# several columns for one quantity (a median before a mean); the others are noted.
+TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+              "ms": 1e-3, "msec": 1e-3, "millis": 1e-3, "millisecond": 1e-3,
+              "milliseconds": 1e-3, "us": 1e-6, "usec": 1e-6, "µs": 1e-6, "μs": 1e-6,
+              "microsecond": 1e-6, "microseconds": 1e-6, "ns": 1e-9, "nsec": 1e-9,
+              "nanosecond": 1e-9, "nanoseconds": 1e-9}
+POWER_UNITS = {"w": 1.0, "watt": 1.0, "watts": 1.0, "mw": 1e-3, "kw": 1e3}
+ENERGY_UNITS = {"j": 1.0, "joule": 1.0, "joules": 1.0, "kj": 1e3, "mj": 1e-3, "uj": 1e-6,
+                "µj": 1e-6, "μj": 1e-6, "nj": 1e-9}
+MEASUREMENT_STEMS = {
+    "runtime_s": (("runtime", "time", "latency", "duration", "elapsed", "elapsed_time",
+                   "exec_time", "execution_time", "kernel_time", "gemm_time", "time_per_gemm",
+                   "runtime_per_gemm", "median_runtime", "median_time", "median_latency",
+                   "mean_runtime", "mean_time", "mean_latency", "avg_runtime", "avg_time",
+                   "avg_latency", "average_runtime", "average_time", "average_latency"),
+                  TIME_UNITS),
+    "power_w": (("power", "avg_power", "average_power", "mean_power", "median_power",
+                 "power_draw", "board_power"), POWER_UNITS),
+    "energy_j": (("energy", "energy_per_gemm", "energy_per_call", "avg_energy",
+                  "average_energy", "mean_energy", "median_energy"), ENERGY_UNITS),
 }
-_RUNTIME_NAMES = "runtime_s, runtime_ms or runtime_us"
-_UNITLESS = {"runtime": _RUNTIME_NAMES, "time": _RUNTIME_NAMES, "duration": _RUNTIME_NAMES,
-             "latency": _RUNTIME_NAMES, "power": "power_w or power_mw",
-             "energy": "energy_j, energy_mj or energy_uj"}
+_RUNTIME_NAMES = "runtime_s, runtime_ms or runtime_us (or _ns; time_, latency_, duration_ " \
+                 "work too)"
+_UNIT_DISPLAY = {"w": "W", "mw": "mW", "kw": "kW", "j": "J", "kj": "kJ", "mj": "mJ",
+                 "uj": "uJ", "nj": "nJ"}
+_UNIT_HELP = {"runtime_s": _RUNTIME_NAMES, "power_w": "power_w, power_mw or power_kw",
+              "energy_j": "energy_j, energy_mj, energy_uj or energy_nj"}
+# Other names of the configuration columns (the first of each is gemmd's).
+COLUMN_ALIASES = {"gpu": ("gpu", "gpu_name", "gpu_model", "device_name", "gpu_key"),
+                  "dtype": ("dtype", "precision", "data_type", "datatype"),
+                  "batch": ("batch", "batch_size", "batch_count"),
+                  "timestamp": ("timestamp", "ts", "unix_time")}
 CSV_OPTIONAL = ("gpu", "batch", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k",
                 "stages", "alpha", "beta", "out_dtype", "timestamp")
+# Columns that describe the GPU itself (a GPU the catalogue lacks, or one run differently).
+GPU_COLUMNS = {**{f"peak_{d}_tflops": ("peak", d) for d in DTYPES},
+               "mem_bandwidth_gbs": ("bandwidth_gbs", None), "bandwidth_gbs":
+               ("bandwidth_gbs", None), "sm_count": ("sm_count", None),
+               "power_limit_w": ("power_w", None), "tdp_w": ("power_w", None)}
 # Sanity bounds: a value outside them is almost always a unit mistake.
 MAX_POWER_W = 5000.0
 MAX_PEAK_MULTIPLE = 4.0  # achieved FLOP/s above this multiple of the datasheet peak
 ENERGY_TOLERANCE = 2.0  # energy within this factor of power x runtime
 
 
-def load_csv(path: str | Path, gpu: str | None = None) -> Dataset:
-    """gemmd's generic CSV (docs/model.md): one GEMM per row, units in the column names."""
+def _key(header: str) -> str:
+    """A header as gemmd names columns: 'GPU Name' -> 'gpu_name'."""
+    return re.sub(r"[\s\-]+", "_", header.strip().lower())
+
+
+def measurement_column(header: str) -> tuple[str, float] | tuple[str, None] | None:
+    """(SI column, factor to SI) for a measurement header ('latency_ms' -> ('runtime_s',
+    1e-3); '"Time (us)"' -> ('runtime_s', 1e-6)); (SI column, None) for a known stem
+    without a unit (refused); None for anything else."""
+    h = header.strip().lower()
+    m = re.fullmatch(r"(.+?)\s*[\(\[]\s*([^\)\]]+?)\s*[\)\]]", h)
+    stem, unit = (m[1], m[2]) if m else (h, "")
+    stem = re.sub(r"[\s\-]+", "_", stem.strip())
+    for si, (stems, units) in MEASUREMENT_STEMS.items():
+        if not m and stem in stems:
+            return si, None
+        if m and stem in stems:
+            return (si, units[unit]) if unit in units else None
+        if not m:
+            for s in stems:
+                if stem.startswith(s) and stem[len(s):len(s) + 1] in ("_", ""):
+                    rest = stem[len(s) + 1:]
+                    if rest in units:
+                        return si, units[rest]
+    return None
+
+
+def _stem_rank(header: str, si: str) -> int:
+    h = re.sub(r"[\s\-\(\[]+", "_", header.strip().lower())
+    stems = MEASUREMENT_STEMS[si][0]
+    return min((i for i, s in enumerate(stems) if h.startswith(s + "_") or h == s),
+               default=len(stems))
+
+
+def load_csv(path: str | Path, gpu: str | None = None,
+             catalog: Catalogue | None = None) -> Dataset:
+    """gemmd's generic CSV (docs/model.md): one GEMM per row, units in the column names.
+
+    Columns gemmd does not use are ignored (named in a note); a measurement column
+    without a unit is refused rather than guessed; several columns for one quantity
+    (a median and a mean time) use the first in MEASUREMENT_STEMS's order.
+    """
+    cat = catalog or CATALOGUE
     f = _Csv(path)
-    header = {h.lower(): h for h in f.header}
-    if len(header) != len(f.header):
-        raise InputError(f"{f.path}: duplicate column names in the header")
+    lower = [h.lower() for h in f.header]
+    if len(set(lower)) != len(lower):
+        dup = next(h for h in f.header if lower.count(h.lower()) > 1)
+        raise InputError(f"{f.path}: duplicate column names in the header ({dup})")
+    notes: list[str] = []
+    rename: dict[str, str] = {}  # header as in the file -> gemmd's column
+    measured: dict[str, list[tuple[str, float]]] = {}
     for h in f.header:
-        if h.lower() in _UNITLESS:
-            raise InputError(f"{f.path}: column {h} has no unit; name it "
-                             f"{_UNITLESS[h.lower()]}")
-    f.header = [h.lower() for h in f.header]
-    f._pos = {h: i for i, h in enumerate(f.header)}
-    f.require("m", "n", "k", "dtype")
-    known = {"m", "n", "k", "dtype", *CSV_OPTIONAL, *TARGET_UNITS}
-    unknown = [h for h in f.header if h not in known]
-    if unknown:
-        raise InputError(f"{f.path}: unknown column{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(unknown)} (see docs/model.md for the columns)")
-    targets = [c for c in f.header if c in TARGET_UNITS]
+        mc = measurement_column(h)
+        if mc is None:
+            continue
+        si, factor = mc
+        if factor is None:
+            raise InputError(f"{f.path}: column {h} has no unit; name it {_UNIT_HELP[si]}")
+        measured.setdefault(si, []).append((h, factor))
+    targets: dict[str, tuple[str, float]] = {}
+    for si, cols in measured.items():
+        cols.sort(key=lambda hc: _stem_rank(hc[0], si))
+        targets[si] = cols[0]
+        if len(cols) > 1:
+            notes.append(f"{si.split('_')[0]} from column {cols[0][0]}; "
+                         f"{', '.join(h for h, _ in cols[1:])} not used")
+    for canon, names in COLUMN_ALIASES.items():
+        present = [h for h in f.header if _key(h) in names]
+        present.sort(key=lambda h: names.index(_key(h)))
+        if present:
+            rename[present[0]] = canon
+    for h in f.header:
+        if h not in rename and _key(h) in {"m", "n", "k", *CSV_OPTIONAL, *GPU_COLUMNS}:
+            rename[h] = _key(h)
+    f.require(*(c for c in ("m", "n", "k") if c not in rename.values()))
+    if "dtype" not in rename.values():
+        f.require("dtype")
     if not targets:
         raise InputError(f"{f.path}: no measurement column: give at least one of "
-                         f"{', '.join(TARGET_UNITS)}")
-    seen: dict[str, str] = {}
-    for c in targets:
-        si = TARGET_UNITS[c][0]
-        if si in seen:
-            raise InputError(f"{f.path}: columns {seen[si]} and {c} both give {si}")
-        seen[si] = c
-    infos, device = _gpus(f, "gpu", gpu)
+                         f"runtime_s/_ms/_us/_ns, power_w, energy_j/_mj/_uj (see docs/model.md)")
+    used = set(rename) | {h for h, _ in targets.values()}
+    ignored = [h for h in f.header if h not in used and not any(
+        h == x for cols in measured.values() for x, _ in cols)]
+    if ignored:
+        notes.append(f"ignored column{'s' if len(ignored) > 1 else ''} "
+                     f"{', '.join(ignored)} (not used by gemmd's model)")
+    f.header = [rename.get(h, h) for h in f.header]
+    f._pos = {h: i for i, h in enumerate(f.header)}
+    if any(c in f._pos for c in GPU_COLUMNS):
+        infos, device = _described_gpus(f, gpu, cat)
+    else:
+        infos, device = _gpus(f, "gpu", gpu, cat)
     n = len(f)
     cols: dict[str, np.ndarray | str | float] = {
         "m": _dims(f, "m"), "n": _dims(f, "n"), "k": _dims(f, "k"),
-        "dtype": f.choice("dtype", DTYPE_ALIASES, "dtype")}
+        "dtype": _dtypes(f, "dtype")}
     if f.has("batch"):
         cols["batch"] = _opt_int(f, "batch", 1.0, 1 << 24)
     if f.has("kernel"):
@@ -432,7 +514,7 @@ def load_csv(path: str | Path, gpu: str | None = None) -> Dataset:
     if f.has("layout"):
         cols["layout"] = f.choice("layout", {x: x for x in LAYOUTS} | {"": "nn"}, "layout")
     if f.has("out_dtype"):
-        cols["out_dtype"] = f.choice("out_dtype", DTYPE_ALIASES | {"": ""}, "dtype")
+        cols["out_dtype"] = _dtypes(f, "out_dtype", empty="")
     for c, hi in (("tile", 32), ("cta_m", 4096), ("cta_n", 4096), ("cta_k", 4096),
                   ("stages", 64)):
         if f.has(c):
@@ -443,9 +525,11 @@ def load_csv(path: str | Path, gpu: str | None = None) -> Dataset:
             cols[c] = np.where(np.isfinite(x), x, d)
     if f.has("timestamp"):
         cols["ts"] = f.floats("timestamp", optional=True, lo=0)
-    for c in targets:
-        si, factor = TARGET_UNITS[c]
-        unit = {"w": "W", "mw": "mW", "us": "us"}.get(c.rsplit("_", 1)[1], c.rsplit("_", 1)[1])
+    seen: dict[str, str] = {}
+    for si, (c, factor) in targets.items():
+        seen[si] = c
+        unit = re.split(r"[_\s\(\[\-]+", c.strip().rstrip(")]"))[-1].lower()
+        unit = _UNIT_DISPLAY.get(unit, unit)
         hi = MAX_POWER_W / factor if si == "power_w" else None
         cols[si] = f.floats(c, optional=True, positive=True, hi=hi, unit=unit) * factor
         for i in np.flatnonzero(cols[si] == 0)[:1]:  # positive, but 0 once in SI units
@@ -457,11 +541,109 @@ def load_csv(path: str | Path, gpu: str | None = None) -> Dataset:
         for i in np.flatnonzero(tiled & (np.asarray(tile) < 1))[:1]:
             raise f.error(i, "tile", "the tiled kernel needs a tile size (1..32)")
     t = _table(n, infos, device, **cols)
+    _check_peaks(f, t)
     _check_plausible(f, t, seen)
     rows_with = {si: int(np.isfinite(t[si]).sum()) for si in seen}
     for i in np.flatnonzero(~np.any([np.isfinite(t[si]) for si in seen], axis=0))[:1]:
         raise f.error(i, ", ".join(seen.values()), "no measurement on this row")
-    return Dataset("csv", t, [f.path], [f"{si}: {v:,} rows" for si, v in rows_with.items()])
+    return Dataset("csv", t, [f.path],
+                   [f"{si}: {v:,} rows" for si, v in rows_with.items()] + notes)
+
+
+def _dtypes(f: _Csv, name: str, empty: str | None = None) -> np.ndarray:
+    """A dtype column: gemmd's names and common spellings (float16, torch.bfloat16...)."""
+    vals = f.text(name)
+    out = np.empty(len(vals), dtype=object)
+    for i, v in enumerate(vals):
+        key = re.sub(r"^(torch|np|numpy|jnp|cupy)\.", "", v.lower())
+        if key == "" and empty is not None:
+            out[i] = empty
+        elif key in DTYPE_ALIASES:
+            out[i] = DTYPE_ALIASES[key]
+        else:
+            raise f.error(i, name, f"{v!r} is not a known dtype ({', '.join(DTYPES)})")
+    return out
+
+
+def _described_gpus(f: _Csv, gpu: str | None, cat: Catalogue
+                    ) -> tuple[list[DeviceInfo], np.ndarray]:
+    """GPUs described by columns (peak_<dtype>_tflops, mem_bandwidth_gbs, sm_count,
+    power_limit_w), on top of the catalogue entry the gpu column (or --gpu) names, if
+    any. Rows that say the same share one DeviceInfo."""
+    if f.has("gpu"):
+        names = f.text("gpu")
+        if gpu is not None:  # --gpu must be the GPU every row names
+            want = cat.lookup(gpu)
+            for i, name in enumerate(names):
+                if name != gpu and (want is None or cat.lookup(name) is not want):
+                    raise f.error(i, "gpu", f"{name!r} is not --gpu {gpu!r}: the file names "
+                                            "its GPU; drop --gpu or fix the column")
+    else:
+        if gpu is not None and cat.lookup(gpu) is None and not f.has("mem_bandwidth_gbs") \
+                and not f.has("bandwidth_gbs"):
+            raise InputError(f"{f.path}: --gpu: {_unknown_gpu(gpu, cat)}")
+        names = [gpu or "custom GPU"] * len(f)
+    vals = {c: f.floats(c, optional=True, positive=True) for c in GPU_COLUMNS if f.has(c)}
+    infos: list[DeviceInfo] = []
+    keys: dict[tuple, int] = {}
+    idx = np.empty(len(f), dtype=np.int64)
+    for i in range(len(f)):
+        given = tuple((c, float(v[i])) for c, v in vals.items() if np.isfinite(v[i]))
+        key = (names[i], given)
+        j = keys.get(key)
+        if j is None:
+            base = cat.lookup(names[i])
+            rec: dict = {"name": names[i], "peak_tflops": {}}
+            if base is not None:
+                rec["base"] = base.key
+            for c, x in given:
+                what, dt = GPU_COLUMNS[c]
+                if what == "peak":
+                    rec["peak_tflops"][dt] = x
+                else:
+                    rec[what] = int(x) if what == "sm_count" and x == int(x) else x
+            if base is not None and _same_as(base, rec):
+                info = cat.info(base.key)  # what the catalogue says (an export, say)
+            else:
+                digest = hashlib.sha256(repr(key).encode()).hexdigest()[:8]
+                rec["key"] = f"{(base.key if base else compact(names[i]) or 'custom')[:40]}" \
+                             f"-{digest}"
+                try:
+                    spec = spec_from_mapping(rec, f"{f.path}: row {f.lines[i]}", cat)
+                except SpecError as e:
+                    raise InputError(str(e).replace("peak_tflops:", "peak_<dtype>_tflops "
+                                                    "columns:")) from None
+                info = spec.info()
+                if base is not None:  # the same GPU model, described differently
+                    info = dataclasses.replace(info, extra={**info.extra, "key": base.key,
+                                                            "spec": spec.key})
+            j = keys[key] = len(infos)
+            infos.append(info)
+        idx[i] = j
+    return infos, idx
+
+
+def _same_as(base, rec: dict) -> bool:
+    """Do a row's GPU columns say what the catalogue entry ``base`` says (within 0.5%)?"""
+    def near(a: float | None, b: float | None) -> bool:
+        return a is not None and b is not None and abs(a - b) <= 0.005 * max(abs(b), 1e-9)
+
+    if any(not near(v, base.peak_tflops.get(d)) for d, v in rec["peak_tflops"].items()):
+        return False
+    return all(near(float(rec[k]), getattr(base, k)) for k in ("bandwidth_gbs", "power_w",
+                                                                 "sm_count") if k in rec)
+
+
+def _check_peaks(f: _Csv, t: Table) -> None:
+    """Every row's GPU must have a peak for the dtype its kernel computes in."""
+    from gemmd.features import peak_vector
+
+    peak, _ = peak_vector(t)
+    for i in np.flatnonzero(~np.isfinite(peak))[:1]:
+        d = "fp32" if t["kernel"][i] == "tiled" else t["dtype"][i]
+        raise f.error(i, "dtype", f"{t.info(i).name} has no {d} peak (the catalogue "
+                                  f"knows none: no {d} units?); if it is right, give "
+                                  f"peak_{d}_tflops")
 
 
 def _opt_int(f: _Csv, name: str, default: float, hi: float) -> np.ndarray:
@@ -518,8 +700,11 @@ def detect_format(path: str | Path) -> str:
     return "csv"
 
 
-def load(fmt: str, paths: Sequence[str | Path], gpu: str | None = None) -> Dataset:
-    """Read one or more files of a format ("auto": detected per file) into one Dataset."""
+def load(fmt: str, paths: Sequence[str | Path], gpu: str | None = None,
+         catalog: Catalogue | None = None) -> Dataset:
+    """Read one or more files of a format ("auto": detected per file) into one Dataset.
+    ``gpu`` stands for the GPU of files without a GPU column; ``catalog`` (the datasheet
+    catalogue plus --gpu-spec GPUs) is what GPU names are looked up in."""
     if not paths:
         raise InputError("no input file given")
     parts = []
@@ -527,7 +712,7 @@ def load(fmt: str, paths: Sequence[str | Path], gpu: str | None = None) -> Datas
         name = detect_format(p) if fmt == "auto" else fmt
         if name not in FORMATS:
             raise InputError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-        parts.append(FORMATS[name](p, gpu=gpu))
+        parts.append(FORMATS[name](p, gpu=gpu, catalog=catalog))
     if len(parts) == 1:
         return parts[0]
     names = sorted({d.name for d in parts})

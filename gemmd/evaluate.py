@@ -179,6 +179,8 @@ def score(t: Table, pred: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[st
         if "lo" in res and m.get("n"):
             ok = np.isfinite(y)
             m["coverage"] = float(np.mean((res["lo"][ok] <= y[ok]) & (y[ok] <= res["hi"][ok])))
+            if "in_domain" in res:  # share of test rows the model has data like
+                m["in_domain"] = float(np.mean(res["in_domain"][ok]))
         out[target] = m
     return out
 

@@ -11,6 +11,8 @@ spread of the trees with the noise of a single measurement. docs/model.md has th
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,9 +34,11 @@ from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError
 from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
+from gemmd.hardware import gpu_model_key
 
 # Bumped whenever features or target spaces change: older files are refused, not misread.
-MODEL_FORMAT = 2
+# 3: datasheet peaks from the GPU catalogue, calibrated intervals and the training domain.
+MODEL_FORMAT = 3
 
 # The only types a model file may contain; anything else is refused before loading.
 TRUSTED_TYPES = [
@@ -50,6 +54,12 @@ TRUSTED_TYPES = [
 # fitting time whatever the size of the store.
 MAX_FEATURES = 1.0
 MAX_SAMPLES = 20_000
+# A GEMM costs at least a launch: runtime is learned relative to the roofline time plus
+# this (seconds), so tiny GEMMs are not 1000x "inefficient" on one GPU and 3000x on
+# another, which transfers badly.
+# 3 us: the least a cuBLAS/XLA GEMM took on the shared data's B200 and H100 was 3.4-4 us
+# (bench/transfer.py: with it, 5 probes of a GPU predict its other GEMMs 2-4x better).
+LAUNCH_S = 3e-6
 
 Progress = Callable[[int], None]
 
@@ -68,6 +78,11 @@ class Prediction:
     energy_lo: float | None = None
     energy_hi: float | None = None
     sigma: dict[str, float] = field(default_factory=dict)  # log-space std per target
+    # False where the model has no data like this GEMM (a GPU, dtype or kernel it never
+    # saw, or a size far outside the trained range); ``domain`` then says why, briefly.
+    # Such predictions are guesses: their interval is widened to say so.
+    in_domain: bool = True
+    domain: str = ""
 
 
 class RooflinePredictor:
@@ -90,17 +105,29 @@ class RooflinePredictor:
             t = float(r) / self.efficiency
             out.append(Prediction(runtime_s=t, runtime_lo=t / self.interval_factor,
                                   runtime_hi=t * self.interval_factor,
-                                  sigma={"runtime": math.log(self.interval_factor) / 1.645}))
+                                  sigma={"runtime": math.log(self.interval_factor) / 1.645},
+                                  in_domain=False, domain="no model yet (roofline estimate)"))
         return out
 
 
 # ------------------------------------------------------------------ target spaces
 
 
+def launch_s(t: Table) -> np.ndarray:
+    """LAUNCH_S per row; 0 for CUTLASS profiler rows (device time of back-to-back kernels,
+    no launch in it: with 3 us their unseen-shape error grew from 4.4% to 5.4%)."""
+    return np.where(t["kernel"] == "cutlass", 0.0, LAUNCH_S)
+
+
+def runtime_reference(t: Table) -> np.ndarray:
+    """What runtime is learned relative to: the roofline time plus a launch."""
+    return features.roofline(t) + launch_s(t)
+
+
 def _scale(target: str, t: Table) -> np.ndarray:
     """Physics reference each target is learned relative to (in log space)."""
     if target == "runtime":
-        return features.roofline(t)
+        return runtime_reference(t)
     if target == "power":
         limits = np.array([d.power_limit_w or 1.0 for d in t.devices], dtype=np.float64)
         return limits[t.device] if len(t) else np.zeros(0)
@@ -201,12 +228,15 @@ def _aggregate(y: np.ndarray, gid: np.ndarray
 
 
 def _fit_one(X: np.ndarray, y: np.ndarray, gid: np.ndarray, cfg: ModelConfig, n_jobs: int
-             ) -> tuple[Any, float, np.ndarray]:
-    """One forest on per-configuration medians: (forest, sigma, OOB prediction per row).
+             ) -> tuple[Any, float, np.ndarray, float]:
+    """One forest on per-configuration medians: (forest, sigma, OOB prediction per row,
+    interval scale).
 
     sigma is the noise of a single measurement around the prediction, in log space: the
     spread of repeats of one configuration where there are repeats, else the out-of-bag
-    residual (which then also carries the model's own error: wider, not narrower).
+    residual (which then also carries the model's own error: wider, not narrower). The
+    interval scale makes the nominal interval hold on configurations the forest has not
+    seen (see _interval_scale).
     """
     from sklearn.ensemble import RandomForestRegressor
 
@@ -215,7 +245,8 @@ def _fit_one(X: np.ndarray, y: np.ndarray, gid: np.ndarray, cfg: ModelConfig, n_
     rf = RandomForestRegressor(
         n_estimators=cfg.n_estimators, max_depth=cfg.max_depth or None,
         min_samples_leaf=cfg.min_samples_leaf, max_features=MAX_FEATURES,
-        max_samples=min(1.0, MAX_SAMPLES / n), oob_score=n >= 2, bootstrap=True,
+        max_samples=None if n <= MAX_SAMPLES else MAX_SAMPLES / n, oob_score=n >= 2,
+        bootstrap=True,
         random_state=cfg.seed, n_jobs=n_jobs)
     with warnings.catch_warnings():
         # Configurations that every bootstrap drew have no OOB estimate; NaN below.
@@ -233,7 +264,111 @@ def _fit_one(X: np.ndarray, y: np.ndarray, gid: np.ndarray, cfg: ModelConfig, n_
         resid = y - oob_g[inv]
         resid = resid[np.isfinite(resid)]
         s = float(np.sqrt(np.mean(resid**2))) if resid.size else 0.0
-    return rf, s, oob_g[inv]
+    scale = _interval_scale(rf, X[first], y, inv, s, cfg.interval) if n >= 2 else 1.0
+    return rf, s, oob_g[inv], scale
+
+
+def _interval_scale(rf: Any, Xg: np.ndarray, y: np.ndarray, inv: np.ndarray, s: float,
+                    interval: float) -> float:
+    """The factor on the log-space sd that makes the nominal interval cover that share of
+    out-of-bag measurements (split-conformal on the trees that did not see a
+    configuration): each measurement's residual against its configuration's OOB mean,
+    over the OOB trees' spread combined with sigma. The trees' spread alone says little
+    about a configuration nobody measured (the trees agree on what they all extrapolate
+    alike); this factor, measured, replaces the assumption that it does."""
+    n = Xg.shape[0]
+    tot, tot2, cnt = np.zeros(n), np.zeros(n), np.zeros(n)
+    for est, inbag in zip(rf.estimators_, rf.estimators_samples_):
+        oob = np.ones(n, dtype=bool)
+        oob[inbag] = False
+        if not oob.any():
+            continue
+        p = est.predict(Xg[oob])
+        tot[oob] += p
+        tot2[oob] += p * p
+        cnt[oob] += 1
+    ok_g = cnt >= 3
+    if ok_g.sum() < 20:
+        return 1.0
+    mean = np.where(ok_g, tot / np.maximum(cnt, 1), np.nan)
+    var = np.where(ok_g, np.maximum(tot2 / np.maximum(cnt, 1) - mean**2, 0.0), np.nan)
+    sd = np.sqrt(var + s * s)[inv]
+    r = np.abs(y - mean[inv]) / np.where(sd > 0, sd, np.nan)
+    r = r[np.isfinite(r)]
+    if r.size < 20:
+        return 1.0
+    z = NormalDist().inv_cdf(0.5 + interval / 2)
+    return float(np.clip(conformal_quantile(r, interval) / z, 0.25, 8.0))
+
+
+MAX_SHAPE_SET = 50_000  # distinct shapes a model remembers (8 bytes each, in its metadata)
+
+
+def shape_hashes(t: Table) -> np.ndarray:
+    """A 64-bit hash per row of (GPU model, M, N, K, batch)."""
+    keys = np.array([int.from_bytes(hashlib.sha256(gpu_model_key(d).encode()).digest()[:8],
+                                    "little") for d in t.devices], dtype=np.uint64)
+    h = keys[t.device] if len(t) else np.zeros(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for c in ("m", "n", "k", "batch"):
+            h = h * np.uint64(1_000_003) + t[c].astype(np.uint64)
+    return h
+
+
+def _shape_scale(t: Table, X: np.ndarray, forests: dict[str, Any], sigma: dict[str, float],
+                 scale: dict[str, float], cfg: ModelConfig
+                 ) -> tuple[dict[str, float], str]:
+    """Interval scale for shapes the model has not seen, and the set of those it has.
+
+    The out-of-bag scale (_interval_scale) holds for a configuration left out, whose
+    shape other configurations (tiles, layouts, dtypes) often still show the forest;
+    predicting a new shape is harder. Where shapes repeat across configurations, a
+    5-fold cross-validation grouped by shape (30 trees, at most 10,000 configurations)
+    measures the scale that covers the nominal share of unseen shapes; elsewhere the
+    out-of-bag scale already is that. Returns ({} and '' when not needed)."""
+    from sklearn.ensemble import RandomForestRegressor
+    from sklearn.model_selection import GroupKFold
+
+    hashes = shape_hashes(t)
+    shapes, shape_id = np.unique(hashes, return_inverse=True)
+    gid = features.config_ids(t)
+    n_cfg = len(np.unique(gid))
+    if len(shapes) < 10 or n_cfg < 1.5 * len(shapes):
+        return {}, ""
+    z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
+    out: dict[str, float] = {}
+    for target, _ in forests.items():
+        y = to_model_space(target, t)
+        ok = np.flatnonzero(np.isfinite(y))
+        first, med, cnt, inv = _aggregate(y[ok], gid[ok])
+        rows, sid = ok[first], shape_id[ok[first]]
+        if len(rows) > 10_000:
+            keep = np.sort(np.random.default_rng(cfg.seed).choice(len(rows), 10_000,
+                                                                  replace=False))
+            rows, med, cnt, sid = rows[keep], med[keep], cnt[keep], sid[keep]
+        if len(np.unique(sid)) < 6:
+            continue
+        r = []
+        for train, test in GroupKFold(5).split(rows, groups=sid):
+            rf = RandomForestRegressor(
+                n_estimators=30, max_depth=cfg.max_depth or None,
+                min_samples_leaf=cfg.min_samples_leaf, max_features=MAX_FEATURES,
+                max_samples=None if len(train) <= MAX_SAMPLES else MAX_SAMPLES / len(train),
+                random_state=cfg.seed,
+                n_jobs=1).fit(X[rows[train]], med[train],
+                              sample_weight=cnt[train].astype(np.float64))
+            per_tree = np.stack([e.tree_.predict(X[rows[test]].astype(np.float32))[:, 0]
+                                 for e in rf.estimators_])
+            sd = np.sqrt(per_tree.std(axis=0) ** 2 + sigma.get(target, 0.0) ** 2)
+            r.append(np.abs(med[test] - per_tree.mean(axis=0)) / np.maximum(sd, 1e-9))
+        q = conformal_quantile(np.concatenate(r), cfg.interval) / z
+        out[target] = float(np.clip(max(q, scale.get(target, 1.0)), 0.25, 8.0))
+    if "power" in out and "runtime" in out:
+        out.setdefault("energy", out["runtime"])
+    kept = base64.b64encode(np.sort(shapes).astype(np.uint64).tobytes()).decode() \
+        if len(shapes) <= MAX_SHAPE_SET else ""
+    return out, kept
+
 
 
 def _energy_is_derived(t: Table, forests: dict[str, Any]) -> bool:
@@ -267,6 +402,8 @@ class ForestModel:
         self.meta = meta
         self.version = str(meta.get("version", "rf"))
         self._flat: dict[str, _FlatForest] = {}
+        self._anchor_cache: dict[tuple, float] = {}
+        self._shape_set: np.ndarray | None = None
 
     @classmethod
     def fit(cls, rows: Sequence[Mapping[str, Any]], infos: Sequence[DeviceInfo],
@@ -299,6 +436,7 @@ class ForestModel:
         counts: dict[str, int] = {}
         oob: dict[str, np.ndarray] = {}  # SI units per row, NaN where none
         derived = {}
+        scale: dict[str, float] = {}
         for target in targets:
             y = to_model_space(target, t)
             ok = np.isfinite(y)
@@ -308,7 +446,7 @@ class ForestModel:
                 oob["energy"] = oob["power"] * oob["runtime"]
                 sigma["energy"] = float(math.hypot(sigma["power"], sigma["runtime"]))
             elif counts[target] >= cfg.min_samples:
-                rf, s, o = _fit_one(X[ok], y[ok], gid[ok], cfg, n_jobs)
+                rf, s, o, scale[target] = _fit_one(X[ok], y[ok], gid[ok], cfg, n_jobs)
                 forests[target], sigma[target] = rf, s
                 oob[target] = np.full(len(t), np.nan)
                 oob[target][ok] = from_model_space(target, t.take(np.flatnonzero(ok)), o)
@@ -316,6 +454,7 @@ class ForestModel:
                 progress(1)
         if "runtime" not in forests:
             raise ModelError("no runtime measurements to fit on")
+        shape_scale, shape_set = _shape_scale(t, X, forests, sigma, scale, cfg)
         scores = {}
         for target, pred in oob.items():
             meas = t[COLUMN[target]]
@@ -334,7 +473,11 @@ class ForestModel:
                            "min_samples_leaf": cfg.min_samples_leaf,
                            "max_features": MAX_FEATURES, "max_samples": MAX_SAMPLES,
                            "seed": cfg.seed},
-                "devices": _device_meta(t), "configs": _configs(t)}
+                "devices": _device_meta(t), "configs": _configs(t),
+                "interval_scale": scale, "interval_scale_shape": shape_scale,
+                "shapes": shape_set, "domain": domain_record(t),
+                "reference_shapes": _reference_shapes(t),
+                "roofline_efficiency": cfg.roofline_efficiency}
         return cls(forests, sigma, z, meta)
 
     # ------------------------------------------------------------- predicting
@@ -343,20 +486,79 @@ class ForestModel:
         if not specs:
             return []
         out = self.predict_table(Table.from_specs(specs, infos))
-        preds = [Prediction() for _ in specs]
-        for target, res in out.items():
-            for i, p in enumerate(preds):
-                setattr(p, COLUMN[target], float(res["point"][i]))
-                setattr(p, f"{target}_lo", float(res["lo"][i]))
-                setattr(p, f"{target}_hi", float(res["hi"][i]))
-                p.sigma[target] = float(res["sigma"][i])
-        return preds
+        return to_predictions(out, len(specs))
 
     def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:
-        """Per target: point, lo, hi (SI units) and sigma (log space), one entry per row."""
+        """Per target: point, lo, hi (SI units), sigma (log space), in_domain (bool) and
+        domain (why not, '' when in domain), one entry per row."""
         if not len(t):
             return {}
+        logs, flags = self.prior_logs(t)
+        for target, (mu, sd) in list(logs.items()):
+            logs[target] = (mu, widen(target, sd, flags))
+        return result(self._with_energy(logs), flags, self.z)
+
+    def prior_logs(self, t: Table) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
+                                            dict[str, Any]]:
+        """(per forest target: log point and in-domain log sd, domain flags): the raw
+        forest with an unknown GPU's level anchored and an unknown kernel's runtime from
+        the roofline; the interval not yet widened for being outside the domain."""
+        logs = self.raw_logs(t)
+        flags = self.domain_flags(t)
+        anchor = self.anchor_offsets(t, flags)
+        for target, (mu, sd) in list(logs.items()):
+            mu = self._fallback(target, t, mu + (anchor if target == "runtime" else 0.0),
+                                flags)
+            logs[target] = (mu, sd)
+        return logs, flags
+
+    def anchor_offsets(self, t: Table, flags: Mapping[str, Any] | None = None
+                       ) -> np.ndarray:
+        """Log-runtime offset per row for GPUs the model never saw (0 elsewhere).
+
+        What a forest says about an unknown GPU carries its training GPUs' efficiency
+        level, which is not the new GPU's: that level is unknown until the GPU's own
+        probes say (TransferModel). Until then the prediction keeps the forest's shape
+        dependence (how efficiency varies with size and configuration) at the level of
+        the roofline estimate (model.roofline_efficiency), ANCHOR_WEIGHT moving it toward
+        the forest's. The forest's level for a (device, configuration) is its median log
+        efficiency over shapes it was trained on (meta "reference_shapes"): one figure per
+        configuration, whatever else is predicted alongside."""
+        flags = flags if flags is not None else self.domain_flags(t)
+        out = np.zeros(len(t))
+        todo = flags["gpu"] & ~flags["kernel"]
+        shapes = self.meta.get("reference_shapes") or []
+        if not todo.any() or not shapes or "runtime" not in self.forests:
+            return out
+        eff = float(self.meta.get("roofline_efficiency", 0.7))
+        ref = np.asarray(shapes, dtype=np.float64)
+        for i in np.flatnonzero(todo):
+            info = t.info(i)
+            cfg = tuple((c, _plain(t[c][i])) for c in ANCHOR_CONFIG)
+            key = (info.uuid, cfg)
+            off = self._anchor_cache.get(key)
+            if off is None:
+                rows = [{"m": a, "n": b, "k": c, "batch": d, **dict(cfg)} for a, b, c, d in ref]
+                rt = Table.from_rows(rows, [info] * len(rows))
+                mu, _ = self.raw_logs(rt)["runtime"]
+                level = float(np.median(mu - np.log(runtime_reference(rt))))
+                off = -(1.0 - ANCHOR_WEIGHT) * (level - math.log(1.0 / eff))
+                if len(self._anchor_cache) < 4096:
+                    self._anchor_cache[key] = off
+            out[i] = off
+        return out
+
+    def raw_logs(self, t: Table, scaled: bool = True
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per forest target: (log of the point prediction, log-space sd as if in domain:
+        the trees' spread and the single-measurement noise, times the interval scale
+        unless not ``scaled``)."""
         X32 = features.table_matrix(t).astype(np.float32)
+        scale = self.meta.get("interval_scale", {})
+        shape_scale = self.meta.get("interval_scale_shape") or {}
+        seen = self._seen_shapes(t) if shape_scale else None
+        if not scaled:
+            scale, shape_scale, seen = {}, {}, None
         logs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # log point, log-space sd
         for target, rf in self.forests.items():
             flat = self._flat.get(target)
@@ -364,14 +566,44 @@ class ForestModel:
                 flat = self._flat[target] = _FlatForest(rf.estimators_)
             per_tree = _per_tree(rf, flat, X32)
             mean, spread = per_tree.mean(axis=0), per_tree.std(axis=0)
-            sd = np.sqrt(spread**2 + self.sigma.get(target, 0.0) ** 2)
+            c = scale.get(target, 1.0)
+            if seen is not None and target in shape_scale:
+                c = np.where(seen, c, shape_scale[target])
+            sd = np.maximum(np.sqrt(spread**2 + self.sigma.get(target, 0.0) ** 2) * c,
+                            MIN_SD)
             logs[target] = (np.log(from_model_space(target, t, mean)), sd)
+        return logs
+
+    def domain_flags(self, t: Table) -> dict[str, Any]:
+        return domain_flags(self.meta.get("domain"), t)
+
+    def _seen_shapes(self, t: Table) -> np.ndarray:
+        """Per row: was its shape (GPU model, M, N, K, batch) in the training data? All
+        False when the model did not keep the set (too many shapes)."""
+        if self._shape_set is None:
+            raw = self.meta.get("shapes")
+            self._shape_set = np.frombuffer(base64.b64decode(raw), dtype=np.uint64) \
+                if raw else np.zeros(0, dtype=np.uint64)
+        if not self._shape_set.size:
+            return np.zeros(len(t), dtype=bool)
+        return np.isin(shape_hashes(t), self._shape_set)
+
+    def _fallback(self, target: str, t: Table, mu: np.ndarray, flags: dict[str, Any]
+                  ) -> np.ndarray:
+        """A kernel the forest never saw: its runtime is the roofline estimate (what the
+        forest says there is an extrapolation from other kernels, often off by 10-100x)."""
+        if target != "runtime" or not flags["kernel"].any():
+            return mu
+        eff = float(self.meta.get("roofline_efficiency", 0.7))
+        return np.where(flags["kernel"], np.log(features.roofline(t) / eff + launch_s(t)),
+                        mu)
+
+    def _with_energy(self, logs: dict[str, tuple[np.ndarray, np.ndarray]]
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         if self.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(logs):
             (lp, sp), (lr, sr) = logs["power"], logs["runtime"]
             logs["energy"] = (lp + lr, np.hypot(sp, sr))
-        return {target: {"point": np.exp(mu), "lo": np.exp(mu - self.z * sd),
-                         "hi": np.exp(mu + self.z * sd), "sigma": sd}
-                for target, (mu, sd) in logs.items()}
+        return logs
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> str:
@@ -429,6 +661,558 @@ class ForestModel:
     def device_infos(self) -> list[DeviceInfo]:
         """The devices the model was trained on (from its metadata)."""
         return [DeviceInfo(**d) for d in self.meta.get("devices", [])]
+
+
+# ------------------------------------------------------------------ the training domain
+
+# Sizes within this many factors of 2 of the trained range count as in the domain.
+SIZE_MARGIN_LOG2 = 1.0
+_SIZES = ("m", "n", "k", "flops")
+
+# No interval narrower than this (log space, about +-0.8% at 90%): repeated GEMMs on a
+# GPU never agree better, whatever a noiseless training set suggests.
+MIN_SD = 0.005
+
+# Log-space sd added to a prediction's for each way its GEMM lies outside the training
+# data, per target: "gpu", a GPU model never trained on; "dtype", a dtype never trained
+# on that GPU; "kernel", a kernel never trained on (runtime then comes from the roofline);
+# "size", per factor of 2 beyond the trained range. Measured by leaving out whole GPUs,
+# dtypes and kernels on the shared data (bench/transfer.py --coverage, docs/model.md):
+# these make the nominal interval cover about its share of such predictions there.
+OOD_SD: dict[str, dict[str, float]] = {
+    "runtime": {"gpu": 0.5, "dtype": 0.35, "kernel": 1.5, "size": 0.25},
+    "power": {"gpu": 0.45, "dtype": 0.4, "kernel": 0.4, "size": 0.1},
+    "energy": {"gpu": 0.5, "dtype": 0.4, "kernel": 1.5, "size": 0.25},
+}
+
+
+# An unknown GPU's runtime level: this share from the forest, the rest from the roofline
+# estimate's (ForestModel.anchor_offsets). On the shared data 0 was best on average and
+# on every pair never worse than the roofline; 0.5 was 1.46x worse on one (bench/transfer.py).
+ANCHOR_WEIGHT = 0.0
+ANCHOR_CONFIG = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
+                 "alpha", "beta", "out_dtype", "variant")
+
+
+def _reference_shapes(t: Table, limit: int = 128) -> list[list[float]]:
+    """Up to ``limit`` distinct (m, n, k, batch) of the rows with a runtime, drawn with a
+    fixed seed: the shapes an unknown GPU's efficiency level is read over."""
+    ok = np.isfinite(t["runtime_s"])
+    if not ok.any():
+        return []
+    shapes = np.unique(np.column_stack([t["m"][ok], t["n"][ok], t["k"][ok], t["batch"][ok]]),
+                       axis=0)
+    if len(shapes) > limit:
+        shapes = shapes[np.sort(np.random.default_rng(0).choice(len(shapes), limit,
+                                                                replace=False))]
+    return shapes.tolist()
+
+
+def _log2_sizes(t: Table) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.column_stack([np.log2(t["m"]), np.log2(t["n"]), np.log2(t["k"]),
+                                np.log2(features.flops(t))])
+
+
+def domain_record(t: Table) -> dict[str, Any]:
+    """What the model was trained on: per GPU model (hardware.gpu_model_key: eight H100s
+    are one), its dtypes, kernels, (dtype, kernel) pairs and size ranges (log2 of M, N, K
+    and FLOPs); and the same over all GPUs."""
+    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)
+    rowkey = keys[t.device] if len(t) else np.zeros(0, dtype=object)
+    sizes = _log2_sizes(t)
+
+    def rng(sel: np.ndarray) -> list[list[float]]:
+        return [[float(sizes[sel, j].min()), float(sizes[sel, j].max())]
+                for j in range(len(_SIZES))]
+
+    gpus = {}
+    for key in sorted(set(rowkey.tolist())):
+        sel = rowkey == key
+        name = next(d.name for d, k in zip(t.devices, keys) if k == key)
+        gpus[key] = {"name": name, "dtypes": sorted(set(t["dtype"][sel].tolist())),
+                     "kernels": sorted(set(t["kernel"][sel].tolist())),
+                     "pairs": sorted({f"{d}/{k}" for d, k in zip(t["dtype"][sel],
+                                                                   t["kernel"][sel])}),
+                     "size": rng(sel)}
+    everything = np.ones(len(t), dtype=bool)
+    return {"gpus": gpus, "dtypes": sorted(set(t["dtype"].tolist())),
+            "kernels": sorted(set(t["kernel"].tolist())),
+            "size": rng(everything) if len(t) else []}
+
+
+def domain_flags(rec: Mapping[str, Any] | None, t: Table,
+                 extra: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Per row, how it lies outside the domain ``rec``: "gpu", "dtype", "kernel" (bool
+    arrays), "size" (factors of 2 beyond the trained range, >= 0), "in_domain" and
+    "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
+    calibration has seen on a device. A model without a record (older files) is taken
+    to know everything."""
+    n = len(t)
+    out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
+                           "kernel": np.zeros(n, bool), "size": np.zeros(n),
+                           "in_domain": np.ones(n, bool), "reason": np.full(n, "", object)}
+    if not rec or not n:
+        return out
+    gpus = rec.get("gpus", {})
+    keys = [gpu_model_key(d) for d in t.devices]
+    sizes = _log2_sizes(t)
+    dts, dti = np.unique(t["dtype"].astype(str), return_inverse=True)
+    kns, kni = np.unique(t["kernel"].astype(str), return_inverse=True)
+    code = (t.device * len(dts) + dti.ravel()) * len(kns) + kni.ravel()
+    for c in np.unique(code):
+        sel = code == c
+        i0 = int(np.flatnonzero(sel)[0])
+        dev, dtype, kernel = int(t.device[i0]), str(t["dtype"][i0]), str(t["kernel"][i0])
+        key = keys[int(dev)]
+        known = gpus.get(key)
+        more = (extra or {}).get(key, {})
+        parts = []
+        if known is None and not more:
+            out["gpu"][sel] = True
+            parts.append(f"no data on {t.devices[int(dev)].name}")
+        kernels = set(rec.get("kernels", [])) | set(more.get("kernels", []))
+        if kernel not in kernels:
+            out["kernel"][sel] = True
+            parts.append(f"no {kernel} kernel data")
+        pairs = set((known or {}).get("pairs", [])) | set(more.get("pairs", []))
+        if (known is not None or more) and f"{dtype}/{kernel}" not in pairs \
+                and kernel in kernels:
+            out["dtype"][sel] = True
+            parts.append(f"no {dtype} {kernel} data on this GPU")
+        elif known is None and not more and dtype not in rec.get("dtypes", []):
+            out["dtype"][sel] = True
+            parts.append(f"no {dtype} data")
+        lim = np.asarray((known or {}).get("size") or rec.get("size") or [], dtype=float)
+        if more.get("size"):
+            m = np.asarray(more["size"], dtype=float)
+            lim = m if not lim.size else np.column_stack([np.minimum(lim[:, 0], m[:, 0]),
+                                                          np.maximum(lim[:, 1], m[:, 1])])
+        if lim.size:
+            x = sizes[sel]
+            beyond = np.maximum(lim[:, 0] - SIZE_MARGIN_LOG2 - x, x - lim[:, 1] -
+                                SIZE_MARGIN_LOG2)
+            dist = np.maximum(beyond.max(axis=1), 0.0)
+            out["size"][sel] = dist
+        out["reason"][sel] = "; ".join(parts)
+    far = out["size"] > 0
+    for i in np.flatnonzero(far):
+        note = f"size {2 ** out['size'][i] * 2:.3g}x beyond the trained range"
+        out["reason"][i] = f"{out['reason'][i]}; {note}" if out["reason"][i] else note
+    out["in_domain"] = ~(out["gpu"] | out["dtype"] | out["kernel"] | far)
+    return out
+
+
+def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
+          skip: Sequence[str] = ()) -> np.ndarray:
+    """sd combined with the OOD_SD of every way a row lies outside the domain."""
+    tau = OOD_SD.get(target, OOD_SD["runtime"])
+    var = sd**2
+    for kind in ("gpu", "dtype", "kernel"):
+        if kind not in skip:
+            var = var + np.where(flags[kind], tau[kind] ** 2, 0.0)
+    if "size" not in skip:
+        var = var + (tau["size"] * flags["size"]) ** 2
+    return np.sqrt(var)
+
+
+def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]], flags: Mapping[str, Any],
+           z: float | np.ndarray) -> dict[str, dict[str, np.ndarray]]:
+    """predict_table's answer from log points and sds: z may be one value or per row."""
+    return {target: {"point": np.exp(mu), "lo": np.exp(mu - z * sd),
+                     "hi": np.exp(mu + z * sd), "sigma": sd,
+                     "in_domain": flags["in_domain"], "domain": flags["reason"]}
+            for target, (mu, sd) in logs.items()}
+
+
+def to_predictions(out: Mapping[str, Mapping[str, np.ndarray]], n: int) -> list[Prediction]:
+    """Prediction objects from predict_table's answer."""
+    preds = [Prediction() for _ in range(n)]
+    for target, res in out.items():
+        for i, p in enumerate(preds):
+            setattr(p, COLUMN[target], float(res["point"][i]))
+            setattr(p, f"{target}_lo", float(res["lo"][i]))
+            setattr(p, f"{target}_hi", float(res["hi"][i]))
+            p.sigma[target] = float(res["sigma"][i])
+            p.in_domain = bool(res["in_domain"][i])
+            p.domain = str(res["domain"][i])
+    return preds
+
+
+# ------------------------------------------------------------------ transfer to a device
+
+# A device's first probes correct a prior model fitted on other GPUs (TransferModel): a
+# device-wide offset in log space, then one per dtype/kernel, each shrunk toward the
+# prior by the spread expected before any probe (OOD_SD where the prior has no such
+# data, these where it has).
+LEVEL_SD_KNOWN = 0.1  # another card of a GPU model the prior knows
+GROUP_SD_KNOWN = 0.15  # a dtype/kernel the prior knows on that GPU model
+RESID_SD0 = 0.3  # scatter left after the offsets on a new GPU, before the probes say
+RESID_DOF0 = 3.0  # the weight of that guess, in probes
+MIN_PROBES_IN_DOMAIN = 3  # probes of a dtype/kernel that make a device's predictions in domain
+MIN_SELECT = 5  # probes before forests on the device's own data are tried (by CV)
+MIN_RESIDUAL = 10  # probes before a forest on the calibrated residuals is tried
+CV_FOLDS = 5
+CV_MAX_ROWS = 2000  # cross-validation of the choice reads at most this many probes
+CHOICES = ("calibrated", "residual", "own")
+
+
+@dataclass
+class DeviceCalibration:
+    """How one device departs from the prior, from its probes (log space, per target)."""
+
+    uuid: str
+    gpu: str  # GPU model key (hardware.gpu_model_key)
+    n: int
+    level: dict[str, float]  # device-wide offset
+    groups: dict[str, dict[str, float]]  # "dtype/kernel" -> offset on top of the level
+    counts: dict[str, dict[str, int]]  # probes per "dtype/kernel"
+    group_sd: dict[str, dict[str, float]]  # prior spread of each group's offset
+    sd: dict[str, float]  # residual scatter after the offsets
+    dof: dict[str, float]  # its degrees of freedom
+    precision: dict[str, float]  # of the level, in probes (n + s0^2 / tau^2)
+    domain: dict[str, Any]  # what the probes cover: pairs, kernels, size ranges
+
+    def offset(self, target: str, group: str) -> float:
+        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)
+
+    def variance(self, target: str, group: str) -> float:
+        """Variance of a new measurement around the calibrated prediction (log space)."""
+        s2 = self.sd[target] ** 2
+        var = s2 * (1.0 + 1.0 / self.precision[target])
+        n_g = self.counts.get(target, {}).get(group, 0)
+        tau = self.group_sd.get(target, {}).get(group)
+        if tau is None:  # a group neither the prior nor the probes saw
+            tau = OOD_SD.get(target, OOD_SD["runtime"])["dtype"]
+        return var + (tau**2 if n_g == 0 else s2 / (n_g + s2 / max(tau, 1e-6) ** 2))
+
+
+def _groups(t: Table) -> np.ndarray:
+    return np.array([f"{d}/{k}" for d, k in zip(t["dtype"], t["kernel"])], dtype=object)
+
+
+def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
+    """Per device of ``t`` (its probes, measured): its offsets from ``prior``."""
+    logs, flags = prior.prior_logs(t)
+    groups = _groups(t)
+    sizes = _log2_sizes(t)
+    out: dict[str, DeviceCalibration] = {}
+    known_pairs = {k: set(v.get("pairs", [])) for k, v in
+                   (prior.meta.get("domain") or {}).get("gpus", {}).items()}
+    known_kernels = set((prior.meta.get("domain") or {}).get("kernels", []))
+    for j, info in enumerate(t.devices):
+        sel = t.device == j
+        if not sel.any():
+            continue
+        key = gpu_model_key(info)
+        unknown = key not in known_pairs
+        cal = DeviceCalibration(info.uuid, key, int(sel.sum()), {}, {}, {}, {}, {}, {}, {},
+                                {})
+        g_all = groups[sel]
+        for target, (mu, sd_in) in logs.items():
+            r = np.log(t[COLUMN[target]][sel]) - mu[sel]
+            ok = np.isfinite(r)
+            if not ok.any():
+                continue
+            tau_o = OOD_SD.get(target, OOD_SD["runtime"])
+            e, g = r[ok], g_all[ok]
+            tau_b = tau_o["gpu"] if unknown else LEVEL_SD_KNOWN
+            s0 = RESID_SD0 if unknown else max(float(np.median(sd_in[sel][ok])), 0.02)
+            names, gi = np.unique(g.astype(str), return_inverse=True)
+            tau_g = np.array([GROUP_SD_KNOWN if name in known_pairs.get(key, ()) else
+                              tau_o["kernel"] if name.split("/")[1] not in known_kernels
+                              else tau_o["dtype"] for name in names])
+            n_g = np.bincount(gi, minlength=len(names)).astype(float)
+            b, c = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g)
+            resid = e - b - c[gi]
+            dof = RESID_DOF0 + max(len(e) - 1, 0)
+            s2 = (RESID_DOF0 * s0**2 + float(np.sum(resid**2))) / dof
+            cal.level[target] = b
+            cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, c)}
+            cal.counts[target] = {str(nm): int(v) for nm, v in zip(names, n_g)}
+            cal.group_sd[target] = {str(nm): float(v) for nm, v in zip(names, tau_g)}
+            # groups the prior knows on this GPU but the probes did not cover
+            for pair in known_pairs.get(key, ()):
+                cal.group_sd[target].setdefault(pair, GROUP_SD_KNOWN)
+            cal.sd[target] = math.sqrt(s2)
+            cal.dof[target] = dof
+            cal.precision[target] = len(e) + s0**2 / tau_b**2
+        probed = [p for p, c in cal.counts.get("runtime", {}).items()
+                  if c >= MIN_PROBES_IN_DOMAIN]
+        if probed:
+            x = sizes[sel]
+            cal.domain = {"pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
+                          "size": [[float(x[:, i].min()), float(x[:, i].max())]
+                                   for i in range(x.shape[1])]}
+        out[info.uuid] = cal
+    del flags
+    return out
+
+
+def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b: float,
+                    tau_g: np.ndarray, k: float = 1.345) -> tuple[float, np.ndarray]:
+    """Level b and group offsets c with e ~ b + c[gi] + noise: each shrunk toward 0 (the
+    prior) by its prior spread, and Huber-weighted, so that one launch-bound or thermally
+    throttled probe among five does not move a device's whole calibration."""
+    w = np.ones(len(e))
+    b, c = 0.0, np.zeros(groups)
+    for _ in range(8):
+        for _ in range(3):  # backfitting: the level, then the groups around it
+            b = float(np.sum(w * (e - c[gi])) / (w.sum() + s0**2 / tau_b**2))
+            c = np.bincount(gi, weights=w * (e - b), minlength=groups) / \
+                (np.bincount(gi, weights=w, minlength=groups) + s0**2 / tau_g**2)
+        r = e - b - c[gi]
+        mad = 1.4826 * float(np.median(np.abs(r)))
+        scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
+        w = np.minimum(1.0, k * scale / np.maximum(np.abs(r), 1e-12))
+    return b, c
+
+
+class TransferModel:
+    """A prior model of other GPUs, carried over to the devices of ``calibrations``.
+
+    Per device: the prior's prediction (an unknown GPU's level anchored, see
+    ForestModel.anchor_offsets) corrected by the device's calibration (a device-wide
+    offset, then per dtype/kernel, shrunk toward the prior while probes are few); from
+    MIN_SELECT probes on, per target, whichever of that, that plus a forest on the
+    calibrated residuals ("residual"), or a forest on the device's probes alone ("own")
+    has the lower error in cross-validation over the probes. Devices without probes get
+    the prior's prediction. Same interface as ForestModel (predict, predict_table).
+    """
+
+    kind = "transfer"
+
+    def __init__(self, prior: ForestModel, calibrations: dict[str, DeviceCalibration],
+                 choice: dict[str, str] | None = None, own: ForestModel | None = None,
+                 residual: dict[str, tuple[Any, float]] | None = None,
+                 cv_scale: dict[str, float] | None = None, meta: dict[str, Any] | None = None):
+        self.prior = prior
+        self.calibrations = calibrations
+        self.choice = choice or {}
+        self.own = own
+        self.residual = residual or {}
+        self.cv_scale = cv_scale or {}
+        self.z = prior.z
+        self.meta = {**prior.meta, **(meta or {})}
+        self.version = f"{prior.version}+cal"
+        self.devices: list[DeviceInfo] = []  # the calibrated devices (set by fit)
+        self._flat: dict[str, _FlatForest] = {}
+
+    def device_infos(self) -> list[DeviceInfo]:
+        """The prior's training devices and the calibrated ones."""
+        known = self.prior.device_infos()
+        return known + [d for d in self.devices if d.uuid not in {k.uuid for k in known}]
+
+    # ------------------------------------------------------------- fitting
+    @classmethod
+    def fit(cls, prior: ForestModel, t: Table, cfg: ModelConfig, *,
+            own: ForestModel | None = None, n_jobs: int = 1,
+            select: bool = True) -> TransferModel:
+        """Calibrate ``prior`` to the devices of ``t`` (their probes) and, with enough
+        probes, choose per target between calibration, residual forest and own forest by
+        cross-validation. ``own``: a forest already fitted on ``t`` (else fitted here)."""
+        cals = calibrate(prior, t) if len(t) else {}
+        n = len(t)
+        choice = {tg: "calibrated" for tg in TARGETS}
+        residual: dict[str, tuple[Any, float]] = {}
+        cv_scale: dict[str, float] = {}
+        meta: dict[str, Any] = {"transfer": {"probes": n, "devices": sorted(cals)}}
+        if not select or n < MIN_SELECT:
+            out = cls(prior, cals, choice, None, residual, cv_scale, meta)
+            out.devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
+            return out
+        sub = cls._cv(prior, t, cfg, n_jobs)
+        icfg = dataclasses.replace(cfg, min_samples=2)
+        for target, errs in sub.items():
+            best = min(errs, key=lambda c: errs[c]["err"])
+            choice[target] = best
+            cv_scale[target] = errs[best]["scale"]
+        meta["transfer"]["cv"] = sub
+        meta["transfer"]["choice"] = dict(choice)
+        if "own" in choice.values() and own is None:
+            try:
+                own = ForestModel.fit_table(t, icfg, n_jobs=n_jobs)
+            except ModelError:
+                own = None
+        if "residual" in choice.values():
+            residual = _fit_residual(prior, cals, t, icfg, n_jobs,
+                                     [tg for tg, c in choice.items() if c == "residual"])
+        for target, c in choice.items():
+            if (c == "own" and (own is None or target not in own.forests)) or \
+                    (c == "residual" and target not in residual):
+                choice[target] = "calibrated"
+        out = cls(prior, cals, choice, own, residual, cv_scale, meta)
+        out.devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
+        return out
+
+    @classmethod
+    def _cv(cls, prior: ForestModel, t: Table, cfg: ModelConfig, n_jobs: int
+            ) -> dict[str, dict[str, dict[str, float]]]:
+        """Per target and choice: mean |log error| over the probes, each predicted by a
+        recipe fitted without its configuration's fold, and the interval scale that
+        would have made the nominal interval cover that share of them."""
+        from sklearn.model_selection import GroupKFold
+
+        if len(t) > CV_MAX_ROWS:
+            t = t.take(np.sort(np.random.default_rng(0).choice(len(t), CV_MAX_ROWS,
+                                                                replace=False)))
+        gid = features.config_ids(t)
+        folds = min(CV_FOLDS, len(np.unique(gid)))
+        if folds < 2:
+            return {}
+        icfg = dataclasses.replace(cfg, min_samples=2, n_estimators=min(cfg.n_estimators, 50))
+        z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
+        pred = {c: {} for c in CHOICES}
+        for train, test in GroupKFold(folds).split(np.zeros(len(t)), groups=gid):
+            tr, te = t.take(train), t.take(test)
+            base = cls.fit(prior, tr, cfg, select=False)
+            recipes: dict[str, Any] = {"calibrated": base}
+            try:
+                recipes["own"] = ForestModel.fit_table(tr, icfg, n_jobs=n_jobs)
+            except ModelError:
+                pass
+            if len(tr) >= MIN_RESIDUAL:
+                res = _fit_residual(prior, base.calibrations, tr, icfg, n_jobs,
+                                    list(prior.forests))
+                recipes["residual"] = cls(prior, base.calibrations,
+                                          {tg: "residual" for tg in res}, None, res)
+            for name, model in recipes.items():
+                for target, r in model.predict_table(te).items():
+                    p = pred[name].setdefault(target, (np.full(len(t), np.nan),
+                                                       np.full(len(t), np.nan)))
+                    p[0][test] = np.log(r["point"])
+                    p[1][test] = (np.log(r["hi"]) - np.log(r["point"])) / z
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for name, per in pred.items():
+            for target, (mu, sd) in per.items():
+                y = np.log(t[COLUMN[target]])
+                ok = np.isfinite(y) & np.isfinite(mu)
+                if ok.sum() < MIN_SELECT:
+                    continue
+                err = np.abs(y[ok] - mu[ok])
+                q = conformal_quantile(err / np.maximum(sd[ok], 1e-9), cfg.interval)
+                ape = np.abs(np.expm1(mu[ok] - y[ok]))  # what MAPE averages
+                out.setdefault(target, {})[name] = {"err": float(ape.mean()),
+                                                    "scale": float(np.clip(q / z, 0.5, 4.0)),
+                                                    "n": int(ok.sum())}
+        return out
+
+    # ------------------------------------------------------------- predicting
+    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
+                ) -> list[Prediction]:
+        if not specs:
+            return []
+        return to_predictions(self.predict_table(Table.from_specs(specs, infos)), len(specs))
+
+    def calibration_of(self, info: DeviceInfo) -> DeviceCalibration | None:
+        """The device's calibration; else that of a calibrated card of the same model."""
+        cal = self.calibrations.get(info.uuid)
+        if cal is None:
+            key = gpu_model_key(info)
+            cal = next((c for c in self.calibrations.values() if c.gpu == key), None)
+        return cal
+
+    def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:
+        if not len(t):
+            return {}
+        logs, flags0 = self.prior.prior_logs(t)
+        cals = [self.calibration_of(d) for d in t.devices]
+        extra = {c.gpu: c.domain for c in cals if c is not None and c.domain}
+        flags = domain_flags(self.prior.meta.get("domain"), t, extra) if extra else flags0
+        groups = _groups(t)
+        zrow = np.full(len(t), self.z)
+        has = np.array([c is not None for c in cals])[t.device]
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        own_res = self.own.predict_table(t) if self.own is not None and has.any() and \
+            "own" in self.choice.values() else {}
+        res_logs = self._residual_logs(t) if self.residual and has.any() else {}
+        q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
+        for target, (mu, sd) in logs.items():
+            mu, sd = mu.copy(), widen(target, sd, flags0)
+            choice = self.choice.get(target, "calibrated")
+            for j, cal in enumerate(cals):
+                sel = t.device == j
+                if cal is None or target not in cal.level or not sel.any():
+                    continue
+                idx = np.flatnonzero(sel)
+                if choice == "own" and target in own_res:
+                    r = own_res[target]
+                    mu[idx] = np.log(r["point"][idx])
+                    sd[idx] = r["sigma"][idx] * self.cv_scale.get(target, 1.0)
+                    zrow[idx] = q
+                    continue
+                off = np.array([cal.offset(target, g) for g in groups[idx]])
+                var = np.array([cal.variance(target, g) for g in groups[idx]])
+                mu[idx] += off
+                extra_sz = (OOD_SD.get(target, OOD_SD["runtime"])["size"] *
+                            flags["size"][idx]) ** 2
+                if choice == "residual" and target in res_logs:
+                    rm, rs = res_logs[target]
+                    mu[idx] += rm[idx]
+                    sd[idx] = np.sqrt(rs[idx] ** 2 + extra_sz) * self.cv_scale.get(target, 1.0)
+                    zrow[idx] = q
+                else:
+                    sd[idx] = np.sqrt(var + extra_sz) * self.cv_scale.get(target, 1.0)
+                    zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
+                        self.meta.get("interval", 0.9)) / 2)
+            out[target] = (mu, sd)
+        if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
+            (lp, sp), (lr, sr) = out["power"], out["runtime"]
+            out["energy"] = (lp + lr, np.hypot(sp, sr))
+        return result(out, flags, zrow)
+
+    def _residual_logs(self, t: Table) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        X32 = features.table_matrix(t).astype(np.float32)
+        out = {}
+        for target, (rf, sigma) in self.residual.items():
+            flat = self._flat.get(target)
+            if flat is None and X32.shape[0] <= _FLAT_MAX_ROWS:
+                flat = self._flat[target] = _FlatForest(rf.estimators_)
+            per_tree = _per_tree(rf, flat, X32)
+            out[target] = (per_tree.mean(axis=0), np.sqrt(per_tree.std(axis=0) ** 2 +
+                                                          sigma**2))
+        return out
+
+
+def _fit_residual(prior: ForestModel, cals: dict[str, DeviceCalibration], t: Table,
+                  cfg: ModelConfig, n_jobs: int, targets: Sequence[str]
+                  ) -> dict[str, tuple[Any, float]]:
+    """Per target: a forest on what the calibrated prior leaves unexplained, and its
+    noise sigma (log space)."""
+    logs, _ = prior.prior_logs(t)
+    groups = _groups(t)
+    X = features.table_matrix(t).astype(np.float32)
+    gid = features.config_ids(t)
+    out: dict[str, tuple[Any, float]] = {}
+    for target in targets:
+        if target not in logs:
+            continue
+        off = np.array([cals[t.devices[int(d)].uuid].offset(target, g)
+                        if t.devices[int(d)].uuid in cals else 0.0
+                        for d, g in zip(t.device, groups)])
+        y = np.log(t[COLUMN[target]]) - logs[target][0] - off
+        ok = np.isfinite(y)
+        if ok.sum() < MIN_RESIDUAL:
+            continue
+        rf, s, _, _ = _fit_one(X[ok], y[ok], gid[ok], cfg, n_jobs)
+        out[target] = (rf, s)
+    return out
+
+
+def conformal_quantile(x: np.ndarray, p: float) -> float:
+    """The split-conformal quantile of scores ``x``: the ceil((n+1)p)-th smallest, so
+    that a new score falls at or below it with probability >= p (the largest score,
+    widened by 1/n, when n is too small for that)."""
+    x = np.sort(np.asarray(x, dtype=float))
+    n = len(x)
+    k = math.ceil((n + 1) * p)
+    return float(x[k - 1]) if k <= n else float(x[-1]) * (1.0 + 1.0 / n)
+
+
+def _t_quantile(dof: float, p: float) -> float:
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(p, dof))
 
 
 def _device_meta(t: Table) -> list[dict[str, Any]]:

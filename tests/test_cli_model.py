@@ -179,3 +179,75 @@ def test_an_imported_runtime_that_underflows_to_zero_is_refused(capsys, env, tmp
     tiny.write_text("m,n,k,dtype,runtime_ms\n64,64,64,fp32,4.9e-324\n")
     rc, _, err = run(capsys, "import", "--gpu", "h100-sxm", str(tiny), *env[2])
     assert rc == 1 and "row 2, column runtime_ms: 4.9e-324 ms is too small" in err
+
+
+# ------------------------------------------------------------------ issue 14
+
+
+def test_predict_says_when_it_is_guessing(capsys, env):
+    tmp, f, sd = env
+    rc, _, _ = run(capsys, "fit", str(f), "--out", str(tmp / "m.skops"), *sd)
+    assert rc == 0
+    rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", "--kernel",
+                     "tiled", "--tile", "16", "--model", str(tmp / "m.skops"), "--json", *sd)
+    assert rc == 0 and json.loads(out)["in_domain"] is True
+    rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", "--kernel",
+                     "tiled", "--tile", "16", "--model", str(tmp / "m.skops"), "--gpu",
+                     "NVIDIA A100-SXM4-80GB", "--json", *sd)
+    res = json.loads(out)
+    assert rc == 0 and res["in_domain"] is False
+    assert res["domain"] == "no data on NVIDIA A100-SXM4-80GB"
+    rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", "--kernel",
+                     "tiled", "--tile", "16", "--model", str(tmp / "m.skops"), "--gpu", "t4",
+                     *sd)
+    assert rc == 0 and "outside the training data: no data on Tesla T4" in out
+    spec = tmp / "gpu.yaml"
+    spec.write_text("name: Lab GPU\npeak_tflops: {fp32: 40}\nbandwidth_gbs: 900\n")
+    rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", "--kernel",
+                     "tiled", "--tile", "16", "--model", str(tmp / "m.skops"), "--gpu-spec",
+                     str(spec), *sd)
+    assert rc == 0 and "on Lab GPU" in out
+    # the device's own measurements carry the model over to it
+    probes = tmp / "probes.csv"
+    make_csv(probes, n=12, seed=3)
+    probes.write_text(probes.read_text().replace("rtx4070", "NVIDIA L4"))
+    rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", "--kernel",
+                     "tiled", "--tile", "16", "--model", str(tmp / "m.skops"), "--calibrate",
+                     str(probes), "--json", *sd)
+    res = json.loads(out)
+    assert rc == 0 and res["device"] == "NVIDIA L4" and res["in_domain"] is True
+    assert "calibrated on 12 rows" in res["model"]
+
+
+def test_export_then_import_elsewhere(capsys, env, tmp_path):
+    tmp, f, sd = env
+    assert run(capsys, "import", str(f), "--name", "lab", *sd)[0] == 0
+    out = tmp / "export.csv"
+    rc, _, err = run(capsys, "export", "--source", "lab", "--out", str(out), *sd)
+    assert rc == 0 and "exported 90 rows" in err
+    head = out.read_text().splitlines()[0].split(",")
+    assert {"host", "device_uuid", "gpu", "runtime_s", "peak_fp32_tflops",
+            "mem_bandwidth_gbs"} <= set(head)
+    other = ["--state-dir", str(tmp_path / "elsewhere")]
+    rc, text, _ = run(capsys, "import", str(out), "--name", "fleet", *other)
+    assert rc == 0 and "imported 90 rows (runtime 90, power 90) on NVIDIA GeForce RTX 4070" \
+        in text
+    assert "ignored columns host, source, kind, device_uuid, gpu_key" in text
+    rc, _, err = run(capsys, "export", "--source", "nothing", *sd)
+    assert rc == 1 and "holds no results of source nothing" in err
+    rc, _, err = run(capsys, "export", "--source", "lab", "--out", str(tmp / "x.parquet"), *sd)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        assert rc == 1 and "needs pyarrow" in err
+    else:
+        assert rc == 0
+
+
+def test_gpu_flag_and_the_files_gpu_column_must_agree(capsys, env):
+    tmp, f, sd = env
+    rc, _, err = run(capsys, "import", str(f), "--gpu", "h100-sxm", *sd)
+    assert rc == 1 and "row 2, column gpu: 'rtx4070' is not --gpu 'h100-sxm'" in err
+    assert err.count("\n") == 1
+    rc, out, _ = run(capsys, "import", str(f), "--gpu", "NVIDIA GeForce RTX 4070", *sd)
+    assert rc == 0

@@ -131,7 +131,6 @@ def test_generic_csv(tmp_path):
                                                             "1.1e+06 TFLOP/s is over 4x"),
     ("m,n,k,dtype,runtime_s,power_w,energy_j\n512,512,512,fp32,0.001,100,100",
      "row 2, column energy_j: energy is 1e+03x power x runtime"),
-    ("m,n,k,dtype,runtime_ms,colour\n8,8,8,fp32,1,red", "unknown column colour"),
     ("m,n,k,dtype,runtime_ms,power_w\n8,8,8,fp32,,", "row 2, column runtime_ms, power_w: "
                                                     "no measurement on this row"),
     ("", "empty file"),
@@ -170,3 +169,92 @@ def test_shared_datasets_load_in_si_units():
     assert 1e-5 < np.nanmin(c["runtime_s"]) and np.nanmax(c["runtime_s"]) < 1.0
     x = datasets.load_shared("xla", DATA).table
     assert len(x) == 9750 and set(x["batch"]) == {1, 2, 4}
+
+
+# ------------------------------------------------------------------ real-world CSVs (issue 14)
+
+
+@pytest.mark.parametrize("header, factor", [
+    ("runtime_ns", 1e-9), ("latency_ms", 1e-3), ("Time (us)", 1e-6), ("duration_s", 1.0),
+    ("elapsed [ms]", 1e-3), ("median_time_us", 1e-6), ("Runtime-NS", 1e-9),
+    ("kernel_time_usec", 1e-6),
+])
+def test_time_columns_in_any_unit(tmp_path, header, factor):
+    f = write(tmp_path / "t.csv", f"gpu,m,n,k,dtype,{header}\nNVIDIA L4,512,512,512,fp16,25000\n")
+    t = datasets.load("csv", [f]).table
+    assert t["runtime_s"][0] == pytest.approx(25000 * factor)
+    assert t.info(0).uuid == "ref-l4"
+
+
+def test_extra_columns_are_ignored_with_a_note(tmp_path):
+    f = write(tmp_path / "t.csv", """
+GPU Name,M,N,K,precision,latency_ms,mean_time_ms,notes,host
+NVIDIA A100-SXM4-80GB,1024,1024,1024,torch.bfloat16,0.02,0.021,ok,node1
+""")
+    ds = datasets.load("csv", [f])
+    assert ds.table["runtime_s"][0] == pytest.approx(2e-5)  # latency, not the mean
+    assert ds.table["dtype"][0] == "bf16" and ds.table.info(0).uuid == "ref-a100-sxm-80gb"
+    assert "runtime from column latency_ms; mean_time_ms not used" in ds.notes
+    assert "ignored columns notes, host (not used by gemmd's model)" in ds.notes
+
+
+def test_gpu_flag_only_where_the_file_has_no_gpu_column(tmp_path):
+    f = write(tmp_path / "t.csv", "gpu,m,n,k,dtype,runtime_us\nNVIDIA L4,64,64,64,fp16,5\n")
+    with pytest.raises(InputError, match=r"row 2, column gpu: 'NVIDIA L4' is not --gpu "
+                                         r"'h100-sxm'.*drop --gpu"):
+        datasets.load("csv", [f], gpu="h100-sxm")
+    assert datasets.load("csv", [f], gpu="l4").table.info(0).uuid == "ref-l4"  # agrees
+    x = write(tmp_path / "x.csv", "gpu_key,b,m,n,k,dtype,runtime_us_derived\n"
+                                  "sm_90,1,256,256,256,bf16xbf16->bf16,5\n")
+    with pytest.raises(InputError, match="is not --gpu 'b200'"):
+        datasets.load("xla", [x], gpu="b200")
+    c = write(tmp_path / "c.csv", f"{CUTLASS_HEAD}\n1,512,512,512,k,nn,64,64,8,2,lc,1,0,0.5,"
+                                  "70,2760,NVIDIA GeForce RTX 4070")
+    with pytest.raises(InputError, match="is not --gpu 'l4'"):
+        datasets.load("gpperf-cutlass", [c], gpu="l4")
+
+
+def test_gpu_columns_describe_a_gpu_the_catalogue_lacks(tmp_path):
+    f = write(tmp_path / "t.csv", """
+gpu,m,n,k,dtype,runtime_us,peak_bf16_tflops,peak_fp32_tflops,mem_bandwidth_gbs,sm_count
+Lab GPU X,1024,1024,1024,bf16,20,400,100,2000,120
+Lab GPU X,2048,2048,2048,bf16,90,400,100,2000,120
+NVIDIA L4,1024,1024,1024,bf16,30,,,,
+""")
+    t = datasets.load("csv", [f]).table
+    lab = t.info(0)
+    assert lab.name == "Lab GPU X" and lab.peak_flops["bf16"] == 400e12 and lab.sm_count == 120
+    assert t.info(1) is lab and t.info(2).uuid == "ref-l4"
+    # the catalogue's own figures (an export, say) give the catalogue's device
+    same = write(tmp_path / "s.csv", "gpu,m,n,k,dtype,runtime_us,peak_fp16_tflops,"
+                                     "mem_bandwidth_gbs\nNVIDIA L4,64,64,64,fp16,5,121,300\n")
+    assert datasets.load("csv", [same]).table.info(0).uuid == "ref-l4"
+    slow = write(tmp_path / "l.csv", "gpu,m,n,k,dtype,runtime_us,peak_fp16_tflops\n"
+                                     "NVIDIA L4,64,64,64,fp16,5,60\n")
+    info = datasets.load("csv", [slow]).table.info(0)
+    assert info.peak_flops["fp16"] == 60e12 and info.uuid != "ref-l4"
+    assert info.extra["key"] == "l4"  # still an L4 to the model's domain
+    bad = write(tmp_path / "b.csv", "gpu,m,n,k,dtype,runtime_us,peak_fp32_tflops\n"
+                                    "Lab GPU Y,64,64,64,fp32,5,10\n")
+    with pytest.raises(InputError, match="bandwidth_gbs: the memory bandwidth"):
+        datasets.load("csv", [bad])
+
+
+def test_a_dtype_the_gpu_has_no_peak_for(tmp_path):
+    f = write(tmp_path / "t.csv", "gpu,m,n,k,dtype,runtime_us\nTesla V100-SXM2-32GB,64,64,64,"
+                                  "bf16,5\n")
+    with pytest.raises(InputError, match="row 2, column dtype: Tesla V100-SXM2-32GB has no "
+                                         "bf16 peak.*peak_bf16_tflops"):
+        datasets.load("csv", [f])
+
+
+def test_a_catalogue_with_user_gpus(tmp_path):
+    from gemmd.hardware import CATALOGUE, spec_from_mapping
+
+    cat = CATALOGUE.with_specs([spec_from_mapping(
+        {"name": "Lab GPU Z", "peak_tflops": {"fp16": 50}, "bandwidth_gbs": 400}, "test")])
+    f = write(tmp_path / "t.csv", "m,n,k,dtype,runtime_us\n64,64,64,fp16,5\n")
+    assert datasets.load("csv", [f], gpu="Lab GPU Z", catalog=cat).table.info(0).name == \
+        "Lab GPU Z"
+    with pytest.raises(InputError, match="unknown GPU 'Lab GPU Z'.*--gpu-spec"):
+        datasets.load("csv", [f], gpu="Lab GPU Z")

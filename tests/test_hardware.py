@@ -1,0 +1,138 @@
+"""The GPU catalogue: datasheet figures, names as NVML prints them, user-described GPUs,
+and enriching what NVML says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gemmd import hardware
+from gemmd.devices.base import DeviceInfo
+from gemmd.hardware import CATALOGUE, SpecError, enrich_device_info, gpu_model_key
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA A100-SXM4-80GB", "a100-sxm-80gb"),
+    ("NVIDIA A100-SXM4-40GB", "a100-sxm-40gb"),
+    ("NVIDIA A100 80GB PCIe", "a100-pcie-80gb"),
+    ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"),
+    ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "a100-sxm-40gb"),
+    ("Tesla V100-PCIE-32GB", "v100-pcie-32gb"),
+    ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
+    ("Tesla V100S-PCIE-32GB", "v100s-pcie"),
+    ("Tesla T4", "t4"),
+    ("NVIDIA A2", "a2"), ("NVIDIA A10", "a10"), ("NVIDIA A16", "a16"), ("NVIDIA A30", "a30"),
+    ("NVIDIA A40", "a40"), ("NVIDIA L4", "l4"), ("NVIDIA L40", "l40"), ("NVIDIA L40S", "l40s"),
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+    ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H100 NVL", "h100-nvl"),
+    ("NVIDIA H20", "h20"), ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"),
+    ("NVIDIA B200", "b200"), ("NVIDIA B300 SXM6 AC", "b300"), ("NVIDIA GB200", "gb200"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("NVIDIA GeForce RTX 4070", "rtx4070"),
+    ("NVIDIA RTX 6000 Ada Generation", "rtx6000-ada"),
+    ("AMD Instinct MI355X", "mi355x"),
+    # the keys and aliases gemmd always took
+    ("rtx4070", "rtx4070"), ("b200", "b200"), ("h100-sxm", "h100-sxm"), ("mi355x", "mi355x"),
+    ("B200-SXM-192GB", "b200"), ("sm_90", "h100-sxm"), ("sm_100_B200", "b200"),
+    ("gfx950", "mi355x"), ("h100", "h100-sxm"), ("A100", "a100-sxm-80gb"),
+])
+def test_names_as_tools_print_them(name, key):
+    spec = hardware.lookup(name)
+    assert spec is not None and spec.key == key
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4070 SUPER", "Quadro RTX 6000",
+                                  "NVIDIA A10G", "rtx9999", "", "HBM3"])
+def test_other_gpus_are_not_guessed(name):
+    assert hardware.lookup(name) is None
+
+
+def test_every_entry_is_sourced_and_sane():
+    for spec in CATALOGUE.specs.values():
+        p = spec.peak_tflops
+        assert spec.source, spec.key
+        assert spec.bandwidth_gbs > 100 and p["fp32"] > 1, spec.key
+        for low in ("fp32", "tf32"):  # dense tensor rates: fp16 >= tf32 >= ... fp32
+            if "fp16" in p and low in p:
+                assert p["fp16"] >= p[low], spec.key
+        if "fp8" in p:
+            assert p["fp8"] >= p["fp16"], spec.key
+        assert spec.info().uuid == f"ref-{spec.key}"
+    # dense, not "with sparsity": the H100 SXM datasheet's 1979 TFLOPS bf16 is sparse
+    assert CATALOGUE.specs["h100-sxm"].peak_tflops["bf16"] == pytest.approx(989.5)
+    assert CATALOGUE.specs["a100-sxm-80gb"].peak_tflops["tf32"] == 156
+    assert "bf16" not in CATALOGUE.specs["v100-sxm2-32gb"].peak_tflops
+    assert CATALOGUE.info("rtx4070") is CATALOGUE.info("NVIDIA GeForce RTX 4070")
+
+
+def _nvml(name: str, **kw) -> DeviceInfo:
+    base = {"index": 0, "uuid": "GPU-1234", "name": name, "backend": "nvidia",
+            "peak_flops": {"fp32": 1e12, "bf16": 9e12}, "mem_bandwidth": 1.9e12,
+            "sm_count": 108, "power_limit_w": 350.0, "extra": {"pci_bus_id": "0:1"}}
+    return DeviceInfo(**{**base, **kw})
+
+
+def test_enrich_device_info_from_the_catalogue():
+    info = enrich_device_info(_nvml("NVIDIA A100-SXM4-80GB"))
+    assert info.peak_flops["bf16"] == 312e12 and info.peak_flops["tf32"] == 156e12
+    assert info.mem_bandwidth == 2039e9
+    assert info.power_limit_w == 350.0  # what NVML says the card is limited to
+    assert info.extra["catalogue"] == "a100-sxm-80gb" and info.extra["pci_bus_id"] == "0:1"
+    assert info.extra["peak_flops_clock"]["bf16"] == 9e12
+    assert enrich_device_info(info) is info  # once is enough
+    assert gpu_model_key(info) == "a100-sxm-80gb"
+    filled = enrich_device_info(_nvml("NVIDIA L4", power_limit_w=None, sm_count=None))
+    assert filled.power_limit_w == 72 and filled.sm_count == 58
+    fake = _nvml("NVIDIA H100 80GB HBM3 (fake)", backend="fake")
+    assert enrich_device_info(fake) is fake
+    cpu = _nvml("AMD EPYC 7B13", backend="cpu")
+    assert enrich_device_info(cpu) is cpu
+
+
+def test_gpu_spec_files(tmp_path):
+    y = tmp_path / "gpus.yaml"
+    y.write_text("""
+gpus:
+  - name: NVIDIA RTX PRO 6000 Blackwell
+    key: rtxpro6000
+    peak_tflops: {fp32: 126, bf16: 503}
+    bandwidth_gbs: 1792
+    sm_count: 188
+    power_w: 600
+  - name: A100 capped at 1.1 GHz
+    base: a100-sxm-80gb
+    peak_tflops: {bf16: 243}
+""")
+    specs = hardware.load_gpu_specs(y)
+    assert [s.key for s in specs] == ["rtxpro6000", "a100cappedat11ghz"]
+    assert specs[1].bandwidth_gbs == 2039 and specs[1].peak_tflops["bf16"] == 243
+    assert specs[1].peak_tflops["tf32"] == 156  # from its base
+    cat = CATALOGUE.with_specs(specs)
+    assert cat.info("NVIDIA RTX PRO 6000 Blackwell").sm_count == 188
+    assert cat.info("rtxpro6000").peak_flops["bf16"] == 503e12
+    assert CATALOGUE.lookup("rtxpro6000") is None  # the shared catalogue is unchanged
+    j = tmp_path / "one.json"
+    j.write_text(json.dumps({"name": "Lab GPU", "peak_tflops": {"fp32": 10},
+                             "bandwidth_gbs": 500}))
+    assert hardware.load_gpu_specs(j)[0].key == "labgpu"
+
+
+@pytest.mark.parametrize("text, gist", [
+    ("name: X\npeak_tflops: {fp32: 10}", "bandwidth_gbs: the memory bandwidth"),
+    ("name: X\nbandwidth_gbs: 10", "peak_tflops: give the dense peak"),
+    ("name: X\npeak_tflops: {fp31: 1}\nbandwidth_gbs: 10", "peak_tflops.fp31: not a dtype"),
+    ("name: X\npeak_tflops: {fp32: 1.5e13}\nbandwidth_gbs: 10", "implausible (wrong unit?"),
+    ("name: X\npeak_tflops: {fp32: 1}\nbandwidth_gbs: -3", "-3 is not a positive number"),
+    ("name: X\nbase: nope", "base: unknown GPU 'nope'"),
+    ("name: X\ncolour: red\nbase: l4", "unknown field colour"),
+    ("- 1\n- 2", "expected a mapping of fields"),
+    ("peak_tflops: [", "not valid YAML"),
+])
+def test_gpu_spec_errors_name_the_field(tmp_path, text, gist):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(SpecError) as e:
+        hardware.load_gpu_specs(f)
+    assert gist in str(e.value) and str(f) in str(e.value)
