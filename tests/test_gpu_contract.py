@@ -448,3 +448,12 @@ def test_memory_held_by_others_sees_what_the_process_list_cannot(gpu):
     assert _device(Gpu(), util=35).busy_reason(BusyLimits(utilization=0.3)) == "utilization"
     assert _device(Gpu(), util=35).busy_reason(BusyLimits(utilization=0.5)) is None
     assert _device(Gpu(), pids=[4242]).busy_reason() == "other_processes"
+
+
+def test_a_catalogued_gpu_carries_its_datasheet_figures(gpu):
+    """The stand-in reports an H100 by NVML's name: the device describes it by the
+    catalogue's datasheet (as offline data do), keeping the clock-derived peaks aside."""
+    dev = _device(gpu)
+    assert dev.info.extra.get("catalogue")
+    assert dev.info.peak_flops["bf16"] == pytest.approx(989e12, rel=0.02)
+    assert "peak_flops_clock" in dev.info.extra

@@ -39,7 +39,7 @@ from gemmd.devices.cublas import (
 from gemmd.devices.nvml import GpuRecord, Nvml, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable
 from gemmd.gemm import ProbeSpec
-from gemmd.hardware import arch_rates, bandwidth, peak_flops
+from gemmd.hardware import arch_rates, bandwidth, enrich_device_info, peak_flops
 from gemmd.probes import check_result
 
 logger = logging.getLogger(__name__)
@@ -259,7 +259,9 @@ class NvidiaDevice(Device):
             self.blas.set_stream(self.handle, self.stream.ptr)
         sm = int(props["multiProcessorCount"])
         clock = record.max_sm_clock_hz or float(props["clockRate"]) * 1e3
-        self.info = DeviceInfo(
+        # Datasheet figures where the catalogue knows the GPU (offline data only have
+        # datasheets: the daemon's probes must describe a GPU model the same way).
+        self.info = enrich_device_info(DeviceInfo(
             index=record.index, uuid=record.uuid, name=record.name, backend="nvidia",
             peak_flops=peak_flops(record.compute_capability, sm, clock),
             mem_bandwidth=bandwidth(record.mem_bus_width_bits, record.max_mem_clock_hz),
@@ -269,7 +271,7 @@ class NvidiaDevice(Device):
                    "cuda_driver_version": record.cuda_driver_version,
                    "vbios_version": record.vbios_version,
                    "compute_capability": "{}.{}".format(*record.compute_capability),
-                   "record": asdict(record)})
+                   "record": asdict(record)}))
         self.memory_budget = memory_budget
         self._rng = cupy.random.default_rng(seed)
         self._host_rng = np.random.default_rng(seed)
