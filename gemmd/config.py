@@ -156,6 +156,11 @@ class ModelConfig:
     # Most stored probes one refit reads (bounds its memory and time whatever
     # store.max_rows is; each configuration keeps its newest repeats). 0 = no cap.
     max_training_rows: int = _f(200_000, min=0, max=100_000_000)
+    # A fleet's reference model (a file `gemmd fit` wrote from many hosts' exports): each
+    # GPU is then predicted by it, calibrated on that GPU's own probes, until and beside
+    # its own forest. Its sha256 pins the file (recommended for files that travel).
+    reference: str = _f("")
+    reference_sha256: str = _f("")
 
 
 @dataclass(frozen=True)
@@ -477,8 +482,19 @@ def _check_web_config(path: str, errs: _Errors) -> None:
             errs.add("listen.web_config_file", f"{path}: {problem}")
 
 
+def _check_reference(cfg: Config, errs: _Errors) -> None:
+    ref, sha = cfg.model.reference, cfg.model.reference_sha256
+    if ref and not Path(ref).expanduser().is_file():
+        errs.add("model.reference", f"{_short(ref)}: no such file")
+    if sha and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
+        errs.add("model.reference_sha256", "must be 64 hexadecimal digits (sha256sum)")
+    if sha and not ref:
+        errs.add("model.reference_sha256", "set without model.reference")
+
+
 def _check_config(cfg: Config, errs: _Errors) -> None:
     """Checks across sections of the whole configuration."""
+    _check_reference(cfg, errs)
     if cfg.listen.web_config_file:
         _check_web_config(cfg.listen.web_config_file, errs)
     if isinstance(cfg.devices, str) and cfg.devices != "all":

@@ -24,7 +24,7 @@ from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError, StoreError
 from gemmd.features import NUMERIC_DEFAULTS, TARGET_COLUMNS, TEXT_DEFAULTS, Table
 from gemmd.gemm import ProbeSpec
-from gemmd.model import ForestModel, Prediction, RooflinePredictor
+from gemmd.model import ForestModel, Prediction, RooflinePredictor, TransferModel
 from gemmd.state import State
 from gemmd.store import Store
 
@@ -84,8 +84,18 @@ class ModelRegistry:
         self.cfg = cfg
         self.state = state
         self._lock = threading.Lock()
-        self.current: ForestModel | RooflinePredictor = RooflinePredictor(cfg.roofline_efficiency)
+        self.current: Any = RooflinePredictor(cfg.roofline_efficiency)
         self.created: float | None = None
+        self.prior: ForestModel | None = None  # the fleet's reference model, if configured
+        if cfg.reference:
+            try:
+                self.prior = ForestModel.load(Path(cfg.reference).expanduser(),
+                                              cfg.reference_sha256 or None)
+                self.prior.version = f"ref-{self.prior.meta.get('data_hash', '')[:8]}"
+                logger.info("reference model %s (%s): each device is calibrated on its own "
+                            "probes", cfg.reference, self.prior.version)
+            except ModelError as e:
+                logger.error("model.reference unusable, predicting without it: %s", e)
 
     # ------------------------------------------------------------- loading
     def load_active(self) -> None:
@@ -107,8 +117,23 @@ class ModelRegistry:
             if not rec["active"]:
                 self.store.activate_model(rec["version"])
             logger.info("loaded model %s (%d samples)", model.version, rec["n_samples"])
+            self._calibrate_prior(model)
+            return
+        if self.prior is not None:
+            self._calibrate_prior(None)
             return
         logger.info("no fitted model yet: predictions come from the roofline estimate")
+
+    def _calibrate_prior(self, own: ForestModel | None) -> None:
+        """With a reference model: predict with it, calibrated per device on the stored
+        probes (and choosing the device's own forest where cross-validation prefers it)."""
+        if self.prior is None:
+            return
+        t, _ = training_table(self.store, ("daemon",), self.cfg.max_training_rows or None)
+        model = TransferModel.fit(self.prior, t, self.cfg, own=own)
+        self._set(model, time.time())
+        logger.info("predictions from %s calibrated on %d stored probes", model.version,
+                    len(t))
 
     def _set(self, model: ForestModel | RooflinePredictor, created: float | None) -> None:
         with self._lock:
@@ -151,6 +176,8 @@ class ModelRegistry:
         if len(t) < self.cfg.min_samples:
             logger.info("refit: %d samples, need model.min_samples=%d", len(t),
                         self.cfg.min_samples)
+            if self.prior is not None and len(t):  # the reference, calibrated on what exists
+                self._calibrate_prior(None)
             return "insufficient_data"
         try:
             new = ForestModel.fit_table(t, self.cfg)
@@ -159,6 +186,9 @@ class ModelRegistry:
             return "insufficient_data"
         with self._lock:
             old, old_created = self.current, self.created
+        if isinstance(old, TransferModel):  # a new forest is judged against the last one
+            old = old.own
+            old_created = old.meta.get("created") if old is not None else None
         if isinstance(old, ForestModel) and not force:
             unseen = np.flatnonzero(t["ts"] > (old_created or 0))
             if not len(unseen):
@@ -174,6 +204,7 @@ class ModelRegistry:
             logger.info("refit: shutting down; the new model is not registered")
             return "cancelled"
         self.register(new)
+        self._calibrate_prior(new)
         return "accepted"
 
     def _compare(self, new: ForestModel, old: ForestModel, t: Table, idx: np.ndarray

@@ -298,3 +298,27 @@ def test_a_model_whose_checksum_was_removed_from_the_store_is_refused(tmp_path, 
         assert "no recorded checksum" in caplog.text
     finally:
         store.close()
+
+
+def test_a_reference_model_predicts_calibrated_for_a_new_device(tmp_path, dev, fitted, caplog):
+    """model.reference: a fleet model predicts a device with few or no probes of its own,
+    calibrated on them; a pinned sha256 that does not match is refused (and logged)."""
+    model, rows = fitted
+    ref = tmp_path / "fleet.skops"
+    sha = model.save(ref)
+    store = Store(tmp_path / "gemmd.db")
+    try:
+        store.upsert_device(dev.info.uuid, 0, dev.info.name, "fake",
+                            dataclasses.asdict(dev.info))
+        cfg = ModelConfig(n_estimators=10, reference=str(ref), reference_sha256=sha)
+        reg = ModelRegistry(store, tmp_path / "models", cfg, State())
+        reg.load_active()
+        assert reg.current.kind == "transfer"
+        (p,), version = reg.predict([ProbeSpec(2048, 2048, 2048, "bf16")], [dev.info])
+        assert p.runtime_s and version.startswith("ref-")
+        bad = dataclasses.replace(cfg, reference_sha256="0" * 64)
+        with caplog.at_level("ERROR"):
+            reg2 = ModelRegistry(store, tmp_path / "models", bad, State())
+        assert reg2.prior is None and "model.reference unusable" in caplog.text
+    finally:
+        store.close()
