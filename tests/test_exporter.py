@@ -276,3 +276,13 @@ def test_skip_reasons_cover_every_reason_gemmd_records():
                                 found.add(v.value)
     assert {"device_down", "duty_cycle", "other_processes", "host_busy"} <= found
     assert found <= set(SKIP_REASONS), sorted(found - set(SKIP_REASONS))
+
+
+def test_each_probe_says_whether_its_prediction_is_in_the_models_domain():
+    state, dev, spec, m, p = _state_with_probe()
+    reg = assemble(state, process=False)
+    labels = {"gpu": "0", "uuid": dev.info.uuid, "gpu_model": dev.info.name,
+              "probe": spec.name}
+    # The roofline (no model yet) is outside any training domain.
+    assert p.in_domain is False
+    assert reg.get_sample_value("gemmd_probe_prediction_in_domain", labels) == 0

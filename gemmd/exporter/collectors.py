@@ -264,6 +264,11 @@ class ProbeCollector(_Group):
                 lv, m.window_s)
             fam("gemmd_probe_last_timestamp_seconds", "Unix time of the last measurement"
                 ).add_metric(lv, ps.ts)
+            fam("gemmd_probe_prediction_in_domain",
+                "1 if the prediction comes from inside the model's training domain (GPU "
+                "model, dtype/kernel, size range), 0 if the model is extrapolating or has "
+                "no data yet (gemmd predict says why)").add_metric(
+                    lv, 1.0 if getattr(p, "in_domain", True) else 0.0)
         yield from fams.values()
 
 class DriftCollector(_Group):
