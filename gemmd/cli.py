@@ -313,6 +313,13 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"last probe {_age(now - seen)} ago")
         dr = drift.get(d["uuid"])
         if dr:
+            for a in dr.get("pooled", []):
+                print(f"  drift: {a['target']} in alarm over its {a['probes']} probes pooled, "
+                      f"x{a['ratio']:.3f} of normal since {_age(now - a['since'])}")
+            if dr.get("peer_ratio"):
+                print(f"  peers: normal runtime x{dr['peer_ratio']:.3f} of the median of its "
+                      f"{dr['peers']} same-model siblings"
+                      + (" (slower than its peers)" if dr.get("slower") else ""))
             alarms = "; ".join(f"{a['probe']} {a['target']} x{a['ratio']:.3f} of normal "
                                f"since {_age(now - a['since'])}" for a in dr["drifting"])
             print(f"  drift: {len(dr['drifting'])} of {dr['tracks']} tracks in alarm"
@@ -353,7 +360,16 @@ def _drift_summary(cfg: Config, state_dir: Path) -> dict[str, dict[str, Any]]:
     if not path.is_file():
         return {}
     out: dict[str, dict[str, Any]] = {}
-    for (uuid, spec, target), tr in DriftMonitor(cfg.drift, path).tracks.items():
+    mon = DriftMonitor(cfg.drift, path)
+    for uuid, dev in mon.devices.items():
+        d = out.setdefault(uuid, {"tracks": 0, "baselining": 0, "drifting": []})
+        d["pooled"] = [{"target": t, "probes": x.members, "ratio": x.ratio or 1.0,
+                        "cusum": x.cusum, "threshold": x.h, "since": x.since or 0.0}
+                       for t, x in dev.targets.items() if x.drifting]
+        rt = dev.targets.get("runtime")
+        if rt is not None and rt.peer_ratio is not None:
+            d.update(peer_ratio=rt.peer_ratio, peers=rt.peers, slower=rt.slower)
+    for (uuid, spec, target), tr in mon.tracks.items():
         d = out.setdefault(uuid, {"tracks": 0, "baselining": 0, "drifting": []})
         d["tracks"] += 1
         if not tr.ready():

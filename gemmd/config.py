@@ -165,16 +165,22 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DriftConfig:
-    """CUSUM on model residuals; see gemmd/drift.py for the arithmetic."""
+    """CUSUMs on pre-whitened model residuals, per probe and pooled per device, and the
+    comparison with same-model peers; see docs/drift.md and gemmd/drift.py."""
 
     shift: float = _f(0.05, min=0.001, max=10.0)  # relative change to detect (0.05 = 5%)
-    # Healthy results between false alarms of one probe x target, on average.
+    # Healthy results between false alarms of one CUSUM (a probe x target, or a device's
+    # pooled statistic for a target), on average.
     arl0: float = _f(5e6, min=10.0, max=1e15)
     baseline_probes: int = _f(10, min=2, max=10000)
     min_scale: float = _f(0.01, min=0.0001, max=1.0)  # floor of the residual scale (log)
     accept_after_s: float = _f(0.0, min=0.0, max=1e9)  # 0 = wait for `gemmd rebaseline`
     targets: tuple[str, ...] = _f(("runtime", "power", "energy"),
                                   choices=("runtime", "power", "energy"))
+    # Slower than its same-model siblings on the host by more than this (0.03 = 3%), with
+    # at least peer_min_siblings of them to compare with: gemmd_device_slower_than_peers.
+    peer_margin: float = _f(0.03, min=0.001, max=10.0)
+    peer_min_siblings: int = _f(2, min=1, max=10000)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ stop within ``STOP_TIMEOUT_S``; a probe that does not return in time is abandone
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from datetime import datetime, timedelta
@@ -225,6 +226,7 @@ class Daemon:
         in alarm stays in alarm across a refit.
         """
         drift = self.state.drift
+        old_version = drift.model_version
         n = max(drift.p.baseline_probes * 2, 10)
         infos = {r.device.info.uuid: r.device.info for r in self.runners}
         with self.state.lock:
@@ -241,13 +243,25 @@ class Daemon:
             # A prediction depends on the spec and device only: one per spec, in one batch.
             preds, _ = self.registry.predict(specs, [info] * len(specs))
             for spec, p in zip(specs, preds):
-                mine = [r for r in rows if r["kind"] == "sentinel" and spec_of(r) == spec][:n]
+                ours = [r for r in rows if r["kind"] == "sentinel" and spec_of(r) == spec]
+                mine = ours[:n]
                 for target in targets_of[spec]:
                     col = COLUMN[target]
                     res = [x for x in (residual_of(r[col], getattr(p, col)) for r in mine)
                            if x is not None]
+                    # The new model moves the probe's residuals by log(old / new
+                    # prediction), known exactly from results predicted by the model the
+                    # references were taken under: the drift state moves by it and keeps
+                    # what it learnt (re-taking the level from a few results would cost
+                    # hours of sensitivity after every refit).
+                    moved = [x for x in (residual_of(r[f"pred_{col}"], getattr(p, col))
+                                         for r in ours
+                                         if old_version and r["model_version"] == old_version)
+                             if x is not None]
+                    shift = statistics.median(moved) if moved else None
                     with self.state.lock:
-                        drift.rereference(uuid, spec, target, res, p.sigma.get(target, 0.0))
+                        drift.rereference(uuid, spec, target, res, p.sigma.get(target, 0.0),
+                                          shift=shift)
         with self.state.lock:
             drift.model_version = self.registry.current.version
         self._save_drift()

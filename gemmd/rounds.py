@@ -6,6 +6,7 @@ for that device only; consecutive failed rounds mark it down and back off its re
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import sqlite3
@@ -20,7 +21,7 @@ import numpy as np
 
 from gemmd.config import Config
 from gemmd.devices.base import BusyLimits, Device
-from gemmd.drift import measured_of, predicted_of
+from gemmd.drift import Alarm, measured_of, predicted_of
 from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
 from gemmd.model import Prediction
@@ -261,20 +262,30 @@ class DeviceRunner:
             self._ds.probes_total[(kind, "failed")] += 1
         return Result(spec, kind, "failed", error=error)
 
-    def _log_alarm(self, spec: ProbeSpec, target: str, tr: Any, m: Measurement,
-                   p: Prediction) -> None:
-        """One line with what an operator needs first: how far off, and the context."""
-        meas, pred = measured_of(m)[target], predicted_of(p)[target]
-        ratio = meas / pred if meas and pred else float("nan")
+    def _log_alarm(self, alarm: Alarm, tr: Any, m: Measurement, p: Prediction,
+                   in_alarm: list[str]) -> None:
+        """One line with what an operator needs first: how far off, and the context. A
+        device-level alarm (the probes' pooled evidence) names the probes in their own."""
+        target = alarm.target
         after = m.context.get("after") or {}
         clock = after.get("sm_clock_hz")
+        ghz = f"{clock / 1e9:.2f} GHz" if clock else "?"
+        temp = f"{after['temperature_c']:.0f} C" if "temperature_c" in after else "?"
+        events = ",".join(after.get("clock_event_reasons", [])) or "none"
+        context = f"SM clock {ghz}, temperature {temp}, clock events {events}"
+        if alarm.spec is None:
+            logger.warning(
+                "%s: %s drifting on its %d probes pooled: measured/normal %.3f (z %.1f, "
+                "CUSUM %.1f over threshold %.1f); probes in their own alarm: %s; %s",
+                self.label, target, tr.members, tr.ratio or float("nan"), tr.last_z or 0.0,
+                tr.cusum, tr.h or 0.0, ", ".join(in_alarm) or "none", context)
+            return
+        meas, pred = measured_of(m)[target], predicted_of(p)[target]
+        ratio = meas / pred if meas and pred else float("nan")
         logger.warning(
             "%s: %s %s drifting: measured/predicted %.3f, normal %.3f for this card "
-            "(z %.1f, CUSUM %.1f); SM clock %s, temperature %s, clock events %s",
-            self.label, spec.name, target, ratio, math.exp(tr.reference or 0.0),
-            tr.last_z or 0.0, tr.cusum, f"{clock / 1e9:.2f} GHz" if clock else "?",
-            f"{after['temperature_c']:.0f} C" if "temperature_c" in after else "?",
-            ",".join(after.get("clock_event_reasons", [])) or "none")
+            "(z %.1f, CUSUM %.1f); %s", self.label, alarm.spec.name, target, ratio,
+            math.exp(tr.reference or 0.0), tr.last_z or 0.0, tr.cusum, context)
 
     def _record(self, spec: ProbeSpec, kind: str, m: Measurement) -> Result:
         info = self.device.info
@@ -287,19 +298,27 @@ class DeviceRunner:
         if outcome == "mismatch":
             logger.error("%s: probe %s returned wrong results (scaled error %.3g): possible "
                          "silent data corruption", self.label, spec.name, m.check_error)
-        raised: list[str] = []
+        raised: list[Alarm] = []
         with self.state.lock:
             drift = self.state.drift
             if kind == "sentinel" and outcome == "ok":
                 measured = measured_of(m)
                 if not _energy_trusted(m, info.backend):
                     measured["power"] = measured["energy"] = None
+                # The plan tells the monitor when the round is complete: the device's
+                # pooled statistic is judged then, not a round later.
                 raised = drift.observe(info.uuid, spec, measured, predicted_of(pred),
-                                       pred.sigma, model_version=version)
+                                       pred.sigma, model_version=version,
+                                       gpu_model=info.name, plan=self.plan)
             flagged = drift.device_drifting(info.uuid)
-            tracks = {t: drift.tracks.get((info.uuid, spec, t)) for t in raised}
-        for target in raised:
-            self._log_alarm(spec, target, tracks[target], m, pred)
+            found = [(a, copy.copy(drift.tracks.get((info.uuid, a.spec, a.target))
+                                   if a.spec is not None else
+                                   drift.devices[info.uuid].targets.get(a.target)),
+                      sorted(s.name for (u, s, t), tr in drift.tracks.items()
+                             if u == info.uuid and t == a.target and tr.drifting))
+                     for a in raised]
+        for alarm, tr, in_alarm in found:
+            self._log_alarm(alarm, tr, m, pred, in_alarm)
         row = self._base_row(spec, kind)
         row.update(as_row(m))
         row.update(outcome=outcome, pred_runtime_s=pred.runtime_s, pred_power_w=pred.power_w,

@@ -13,8 +13,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from gemmd.config import DriftConfig
 from gemmd.devices.base import DeviceInfo
-from gemmd.drift import DriftMonitor, Track
+from gemmd.drift import DeviceDrift, DriftMonitor, Track
 from gemmd.gemm import ProbeSpec
 from gemmd.model import Prediction
 from gemmd.probes import Measurement
@@ -106,7 +107,8 @@ class State:
             return Snapshot(copy.deepcopy(list(self.devices.values())),
                             [(uuid, copy.copy(p)) for (uuid, _), p in self.probes.items()],
                             copy.deepcopy(self.model), self.store_errors_total,
-                            self.drift.snapshot(), self.probe_interval_s)
+                            self.drift.snapshot(), self.probe_interval_s,
+                            self.drift.device_snapshot(), self.drift.p)
 
 
 @dataclass
@@ -117,3 +119,6 @@ class Snapshot:
     store_errors_total: int
     drift: dict[tuple[str, ProbeSpec, str], Track]
     probe_interval_s: float | None
+    # Per device: its pooled drift statistic per target and its standing among its peers.
+    drift_devices: dict[str, DeviceDrift] = field(default_factory=dict)
+    drift_config: DriftConfig | None = None

@@ -272,7 +272,9 @@ class ProbeCollector(_Group):
         yield from fams.values()
 
 class DriftCollector(_Group):
-    """Per probe and target: CUSUM, threshold, z, reference, scale, alarm; per device."""
+    """Per probe and target: CUSUM, threshold, z, reference, scale, alarm. Per device and
+    target: the pooled statistic (what pages), the alarm (pooled or any probe's), the
+    standing among same-model peers."""
 
     name = "drift"
 
@@ -283,25 +285,26 @@ class DriftCollector(_Group):
         by_uuid = {d.info.uuid: d for d in devices}
         labels = (*PROBE_SERIES_LABELS, "target")
         cusum = GaugeMetricFamily(
-            "gemmd_probe_drift_cusum", "CUSUM of standardized residuals (alarm above "
-            "gemmd_probe_drift_threshold)", labels=labels)
+            "gemmd_probe_drift_cusum", "CUSUM of standardized residual innovations (alarm "
+            "above gemmd_probe_drift_threshold)", labels=labels)
         thr = GaugeMetricFamily(
             "gemmd_probe_drift_threshold", "CUSUM alarm threshold of this track, set by its "
             "noise and drift.arl0", labels=labels)
         z = GaugeMetricFamily("gemmd_probe_drift_zscore",
-                              "Latest residual, in residual scales from its reference",
+                              "Latest residual innovation, in its noise scales",
                               labels=labels)
         ref = GaugeMetricFamily(
             "gemmd_probe_drift_reference_ratio", "Measured/predicted ratio taken as normal "
-            "for this device and probe (its baseline)", labels=labels)
+            "for this device and probe (its learnt level)", labels=labels)
         scale = GaugeMetricFamily("gemmd_probe_drift_scale",
-                                  "Residual scale: max(model sigma, probe noise, floor), "
-                                  "log units", labels=labels)
+                                  "Long-run residual scale (log units): the probe's noise, "
+                                  "autocorrelation counted, at its upper bound, at least "
+                                  "drift.min_scale", labels=labels)
         drifting = GaugeMetricFamily("gemmd_probe_drifting",
-                                     "1 while this probe's target is in drift alarm",
+                                     "1 while this probe's own track is in drift alarm",
                                      labels=labels)
         alarms: dict[tuple, int] = {}
-        dev_drift = {d.info.uuid: 0 for d in devices}
+        probe_drift: dict[tuple[str, str], bool] = {}
         for (uuid, spec, target), tr in sorted(snap.drift.items(),
                                                key=lambda x: (x[0][0], x[0][1], x[0][2])):
             d = by_uuid.get(uuid)
@@ -309,7 +312,7 @@ class DriftCollector(_Group):
                 continue
             dl = _dev_labels(d)
             alarms[(*dl, target)] = alarms.get((*dl, target), 0) + tr.alarms
-            if not tr.ready():
+            if not tr.ready() or tr.reference is None:
                 continue
             lv = [*dl, spec.name, target]
             cusum.add_metric(lv, tr.cusum)
@@ -320,19 +323,92 @@ class DriftCollector(_Group):
             ref.add_metric(lv, math.exp(tr.reference))
             scale.add_metric(lv, tr.scale or 0.0)
             drifting.add_metric(lv, 1.0 if tr.drifting else 0.0)
-            dev_drift[uuid] = max(dev_drift[uuid], int(tr.drifting))
-        dev = GaugeMetricFamily("gemmd_device_drifting",
-                                "1 while any probe of the device is in drift alarm (its "
-                                "results are then kept out of refits)", labels=DEVICE_LABELS)
-        for d in devices:
-            dev.add_metric(_dev_labels(d), dev_drift[d.info.uuid])
-        total = CounterMetricFamily("gemmd_drift_alarms", "Drift alarms raised",
+            key = (uuid, target)
+            probe_drift[key] = probe_drift.get(key, False) or tr.drifting
+        yield from (cusum, thr, z, ref, scale, drifting)
+        total = CounterMetricFamily("gemmd_drift_alarms", "Drift alarms raised by the "
+                                    "device's probes' own tracks",
                                     labels=(*DEVICE_LABELS, "target"))
         for d in devices:
             for target in TARGETS:
                 key = (*_dev_labels(d), target)
                 total.add_metric(list(key), alarms.get(key, 0))
-        yield from (cusum, thr, z, ref, scale, drifting, dev, total)
+        yield total
+        yield from self._devices(devices, snap, probe_drift)
+
+    def _devices(self, devices: list[DeviceState], snap: Snapshot,
+                 probe_drift: dict[tuple[str, str], bool]) -> Iterator[Metric]:
+        L = (*DEVICE_LABELS, "target")
+        fams = {
+            "drifting": GaugeMetricFamily(
+                "gemmd_device_drifting", "1 while the device is in drift alarm for this "
+                "target: its pooled statistic or any of its probes' own tracks (its results "
+                "are then kept out of refits)", labels=L),
+            "cusum": GaugeMetricFamily(
+                "gemmd_device_drift_cusum", "CUSUM of the device's pooled statistic (its "
+                "probes' evidence together; alarm above gemmd_device_drift_threshold)",
+                labels=L),
+            "h": GaugeMetricFamily("gemmd_device_drift_threshold",
+                                   "Alarm threshold of the device's pooled CUSUM", labels=L),
+            "z": GaugeMetricFamily("gemmd_device_drift_zscore",
+                                   "Latest round's pooled statistic, innovation in its "
+                                   "noise scales", labels=L),
+            "ratio": GaugeMetricFamily(
+                "gemmd_device_drift_ratio", "Latest round's measured/normal ratio of the "
+                "device, pooled over its probes (weighted by their noise)", labels=L),
+            "scale": GaugeMetricFamily(
+                "gemmd_device_drift_scale", "Long-run scale of the pooled statistic: 1 when "
+                "the probes' noise is independent, up to sqrt(probes) when it moves "
+                "together (pooling then gains nothing)", labels=L),
+            "members": GaugeMetricFamily("gemmd_device_drift_probes",
+                                         "Probes pooled in the latest round", labels=L),
+            "peer": GaugeMetricFamily(
+                "gemmd_device_peer_ratio", "The device's normal (its learnt reference) "
+                "against the median of the other devices of the same model on the host, "
+                "pooled over probes (1.05: 5 % slower, more watts, more joules)", labels=L),
+        }
+        alarms = CounterMetricFamily("gemmd_device_drift_alarms",
+                                     "Drift alarms raised by the device's pooled statistic",
+                                     labels=L)
+        slower = GaugeMetricFamily(
+            "gemmd_device_slower_than_peers", "1 while the device's normal runtime is "
+            "slower than its same-model peers' on the host by more than drift.peer_margin "
+            "(at 3 standard errors)", labels=DEVICE_LABELS)
+        cfg = snap.drift_config
+        targets = cfg.targets if cfg is not None else TARGETS
+        for d in devices:
+            dl = _dev_labels(d)
+            dd = snap.drift_devices.get(d.info.uuid)
+            for target in targets:
+                lv = [*dl, target]
+                tr = dd.targets.get(target) if dd is not None else None
+                pooled = tr is not None and tr.drifting
+                fams["drifting"].add_metric(lv, 1.0 if pooled or probe_drift.get(
+                    (d.info.uuid, target), False) else 0.0)
+                alarms.add_metric(lv, tr.alarms if tr is not None else 0)
+                if tr is None:
+                    continue
+                if tr.peer_ratio is not None:
+                    fams["peer"].add_metric(lv, tr.peer_ratio)
+                if not tr.ready():
+                    continue
+                fams["cusum"].add_metric(lv, tr.cusum)
+                for key, v in (("h", tr.h), ("z", tr.last_z), ("ratio", tr.ratio),
+                               ("scale", tr.scale)):
+                    if v is not None:
+                        fams[key].add_metric(lv, v)
+                fams["members"].add_metric(lv, tr.members)
+            rt = dd.targets.get("runtime") if dd is not None else None
+            slower.add_metric(dl, 1.0 if rt is not None and rt.slower else 0.0)
+        yield from fams.values()
+        yield alarms
+        yield slower
+        if cfg is not None:
+            yield GaugeMetricFamily(
+                "gemmd_drift_peer_margin_ratio", "drift.peer_margin: how much slower than "
+                "its peers a device may be before it is flagged (0.03 = 3 %)",
+                value=cfg.peer_margin)
+
 
 class ModelCollector(_Group):
     """The model predictions come from: version, samples, validation error, refits."""
