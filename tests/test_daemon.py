@@ -50,19 +50,18 @@ def _busy_daemon(tmp_path, retry):
     return Daemon(cfg)
 
 
-def test_a_round_skipped_as_busy_is_retried_soon_not_a_whole_interval_later(tmp_path):
-    d = _busy_daemon(tmp_path / "a", retry=0.5)
+def _run_for(d: Daemon, seconds: float) -> Daemon:
     d.start()
     try:
-        time.sleep(2.0)
+        time.sleep(seconds)
     finally:
         d.stop()
+    return d
+
+
+def test_a_round_skipped_as_busy_is_retried_soon_not_a_whole_interval_later(tmp_path):
+    d = _run_for(_busy_daemon(tmp_path / "a", retry=0.5), 2.0)
     ds = d.state.devices[d.devices[0].info.uuid]
     assert ds.rounds_total >= 3 and ds.skipped_total["utilization"] >= 3
-    d = _busy_daemon(tmp_path / "b", retry=0)
-    d.start()
-    try:
-        time.sleep(1.0)
-    finally:
-        d.stop()
+    d = _run_for(_busy_daemon(tmp_path / "b", retry=0), 1.0)
     assert d.state.devices[d.devices[0].info.uuid].rounds_total == 1

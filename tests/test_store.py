@@ -167,19 +167,7 @@ def test_committed_row_survives_sigkill(tmp_path):
         print("committed", flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.strip() == "committed", proc.stderr.read() if not line else line
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    _kill_after_commit(script)
     s = Store(path)
     try:
         rows = s.probes()
@@ -402,19 +390,7 @@ def _write_then_sigkill(path, ts):
         print("committed", flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.strip() == "committed", proc.stderr.read() if not line else line
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    _kill_after_commit(script)
 
 
 @pytest.mark.parametrize("damage", ["deleted", "garbled"])
@@ -460,3 +436,21 @@ def test_the_high_water_mark_follows_deliberate_deletes(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gemmd.store"):
         Store(path).close()
     assert not caplog.records
+
+
+def _kill_after_commit(script: str) -> None:
+    """Run ``script`` in a child that prints "committed" after its writes, then SIGKILL it
+    (no chance to checkpoint or close the store)."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "committed", proc.stderr.read() if not line else line
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
