@@ -422,6 +422,16 @@ def _cfg(tmp_path, **fake):
         fake=FakeConfig(devices=(FakeDeviceConfig(), FakeDeviceConfig()), **fake))
 
 
+
+def _fit_and_reference(d) -> None:
+    """Eight rounds on every device, a fitted model, drift references under it. Drift
+    needs a fitted model: the roofline's interval spans 2x, a 5% step is noise."""
+    for _ in range(8):
+        for r in d.runners:
+            r.run_round()
+    assert d.registry.refit() == "accepted"
+    d.rereference()
+
 def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
     from gemmd.daemon import Daemon
     from gemmd.exporter import assemble
@@ -429,12 +439,7 @@ def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
 
     d = Daemon(_cfg(tmp_path))
     try:
-        for _ in range(8):
-            for r in d.runners:
-                r.run_round()
-        # Drift needs a fitted model: the roofline's interval spans 2x, a 5% step is noise.
-        assert d.registry.refit() == "accepted"
-        d.rereference()
+        _fit_and_reference(d)
         slowed = d.runners[1]
         slowed.device.cfg = FakeDeviceConfig(slowdown_factor=1.05)
         for _ in range(4):
@@ -493,11 +498,7 @@ def test_rounds_feed_the_pooled_statistic_once_per_round_and_a_restart_keeps_it(
     cfg = _cfg(tmp_path)
     d = Daemon(cfg)
     try:
-        for _ in range(8):
-            for r in d.runners:
-                r.run_round()
-        assert d.registry.refit() == "accepted"
-        d.rereference()
+        _fit_and_reference(d)
         uuid = d.runners[0].device.info.uuid
         dev = d.state.drift.devices[uuid]
         assert dev.gpu_model == d.runners[0].device.info.name

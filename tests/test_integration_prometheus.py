@@ -165,6 +165,18 @@ def dashboard_queries(dash: dict, values: dict[str, str]) -> list[tuple[str, str
     return out
 
 
+
+def _one_slow_gpu_config(tmp_path, port: int, slowdown: float):
+    """Two fake GPUs, the second slowed by ``slowdown`` after SLOWDOWN_AFTER_S. One fit (the
+    first, as soon as min_samples exist), then none that could take the slow GPU's results
+    into a new reference."""
+    return write_config(tmp_path / "gemmd.yaml", **merge(FAST_FAKE, {
+        "listen": {"port": port}, "state_dir": str(tmp_path / "state"),
+        "schedule": {"refit_interval_s": 3600},
+        "drift": {"baseline_probes": 5},
+        "fake": {"devices": [{}, {"slowdown_factor": slowdown,
+                                  "slowdown_after_s": SLOWDOWN_AFTER_S}]}}))
+
 def test_prometheus_evaluates_every_rule_and_dashboard_query_and_alerts_on_the_slow_gpu(
         tmp_path, daemon_factory, prometheus_factory):
     t_start = time.monotonic()
@@ -173,14 +185,7 @@ def test_prometheus_evaluates_every_rule_and_dashboard_query_and_alerts_on_the_s
         return max(1.0, BUDGET_S - (time.monotonic() - t_start))
 
     port = free_port()
-    cfg = write_config(tmp_path / "gemmd.yaml", **merge(FAST_FAKE, {
-        "listen": {"port": port}, "state_dir": str(tmp_path / "state"),
-        # One fit (the first, as soon as min_samples exist), then none that could take the
-        # slow GPU's results into a new reference.
-        "schedule": {"refit_interval_s": 3600},
-        "drift": {"baseline_probes": 5},
-        "fake": {"devices": [{}, {"slowdown_factor": SLOWDOWN,
-                                  "slowdown_after_s": SLOWDOWN_AFTER_S}]}}))
+    cfg = _one_slow_gpu_config(tmp_path, port, SLOWDOWN)
     daemon = daemon_factory(cfg)
     t_daemon = time.monotonic()
     prom_cfg = tmp_path / "prometheus.yml"
@@ -433,12 +438,7 @@ def test_a_15_percent_slower_gpu_raises_one_alert_and_dcgm_series_join_it(
         return max(1.0, BUDGET_S - (time.monotonic() - t_start))
 
     port = free_port()
-    cfg = write_config(tmp_path / "gemmd.yaml", **merge(FAST_FAKE, {
-        "listen": {"port": port}, "state_dir": str(tmp_path / "state"),
-        "schedule": {"refit_interval_s": 3600},
-        "drift": {"baseline_probes": 5},
-        "fake": {"devices": [{}, {"slowdown_factor": PER_GPU_SLOWDOWN,
-                                  "slowdown_after_s": SLOWDOWN_AFTER_S}]}}))
+    cfg = _one_slow_gpu_config(tmp_path, port, PER_GPU_SLOWDOWN)
     daemon = daemon_factory(cfg)
     t_daemon = time.monotonic()
     info = wait_for(lambda: scrape(port).get("gemmd_device_info"), left(),
