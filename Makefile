@@ -22,8 +22,10 @@ setup: $(VENV)/.test-deps
 # Run the daemon on its defaults (backend auto: CPU when no GPU). State goes where the
 # CLI looks by default ($XDG_STATE_HOME/gemmd, else ~/.local/state/gemmd), so that
 # `.venv/bin/gemmd status` and the model commands find it.
+# `make run PORT=9500` serves on another port (the config's listen.port otherwise).
+PORT ?=
 run: $(VENV)/.run-deps
-	$(BIN)/gemmd run --config gemmd.yaml
+	$(BIN)/gemmd run --config gemmd.yaml $(if $(PORT),--port $(PORT))
 
 # Lint, then the whole test suite (unit, end-to-end, integration).
 test: $(VENV)/.test-deps
