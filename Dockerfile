@@ -27,8 +27,10 @@ ENV CUPY_CACHE_DIR=/var/cache/gemmd/cupy \
     PYTHONDONTWRITEBYTECODE=1
 USER 65532:65532
 EXPOSE 9477
-# /-/healthy answers without rendering metrics (no curl in the slim image: Python's urllib).
+# /-/healthy answers without rendering metrics or credentials (no curl in the slim image:
+# Python's urllib). Plain HTTP, else HTTPS when listen.web_config_file turns TLS on (the
+# certificate is not verified: this only asks the process on this host whether it serves).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9477/-/healthy', timeout=4)"]
+    CMD ["python", "-c", "import ssl, sys, urllib.request as r\nfor s in ('http', 'https'):\n    try:\n        r.urlopen(s + '://127.0.0.1:9477/-/healthy', timeout=2, context=ssl._create_unverified_context() if s == 'https' else None)\n        sys.exit(0)\n    except Exception:\n        pass\nsys.exit(1)"]
 ENTRYPOINT ["gemmd"]
 CMD ["run", "--config", "/etc/gemmd/gemmd.yaml", "--state-dir", "/var/lib/gemmd"]

@@ -849,3 +849,27 @@ def test_gemmd_run_serves_https_with_basic_auth_from_its_config(tmp_path, pki):
         assert e.value.code == 401
     finally:
         d.stop()
+
+
+def _docker_healthcheck(port: int) -> int:
+    """Run the Dockerfile's HEALTHCHECK command as the image would, on ``port``."""
+    import json
+    import re
+
+    text = (ROOT / "Dockerfile").read_text()
+    cmd = json.loads(re.search(r"^\s+CMD (\[\"python\", \"-c\".*\])$", text, re.M).group(1))
+    script = cmd[2].replace("127.0.0.1:9477", f"127.0.0.1:{port}")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          timeout=30).returncode
+
+
+def test_the_images_healthcheck_passes_over_http_and_https_and_fails_when_nothing_serves(
+        start, tmp_path, pki):
+    assert _docker_healthcheck(start().server_port) == 0
+    tls = start(web_config=web_config(tmp_path, tls_yaml(pki)))
+    assert _docker_healthcheck(tls.server_port) == 0
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    free = s.getsockname()[1]
+    s.close()
+    assert _docker_healthcheck(free) == 1
