@@ -17,7 +17,7 @@ import numpy as np
 
 from gemmd import features
 from gemmd.config import ModelConfig
-from gemmd.errors import InputError
+from gemmd.errors import InputError, ModelError
 from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS
 from gemmd.model import ForestModel
@@ -35,6 +35,8 @@ def random_split(n: int, seed: int = SEED, test_size: float = TEST_SIZE
     """GPPerf's split: train_test_split(test_size=0.2, random_state=42) over rows."""
     from sklearn.model_selection import train_test_split
 
+    if n < 2:
+        raise InputError(f"the random split needs at least two rows (the data has {n})")
     train, test = train_test_split(np.arange(n), test_size=test_size, random_state=seed)
     return np.sort(train), np.sort(test)
 
@@ -203,7 +205,11 @@ def evaluate(t: Table, *, splits: Sequence[str] = SPLITS, baseline: bool = True,
             models.append(GPPerfBaseline(seed))
         for model in models:
             t0 = time.perf_counter()
-            model.fit(tr, progress)
+            try:
+                model.fit(tr, progress)
+            except ModelError as e:  # too few rows to train on: say which split left them
+                raise ModelError(f"the {kind} split trains on {len(train)} of {len(t)} rows: "
+                                 f"{e}") from e
             t1 = time.perf_counter()
             pred = model.predict_table(te)
             t2 = time.perf_counter()

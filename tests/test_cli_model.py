@@ -1,17 +1,22 @@
-"""`gemmd import | fit | evaluate | predict | advise | report` end to end on small files."""
+"""`gemmd import | export | fit | evaluate | predict | advise | report` end to end on small
+files, and how the command line reports what goes wrong (one line, exit 1 or 2)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gemmd.cli import main
-from gemmd.cli_model import Progress
+from gemmd.cli.output import Progress
 from gemmd.store import Store
 
 SIZES = (256, 512, 768, 1024, 1536, 2048)
@@ -110,8 +115,10 @@ def test_errors_are_one_line(capsys, env):
     store = Store(tmp / "state" / "gemmd.db")
     assert store.counts() == []  # nothing half-imported
     store.close()
+    # no model yet: the roofline estimate, for a device the store does not know yet
     rc, _, err = run(capsys, "predict", "8", "8", "8", "--dtype", "fp32", *sd)
-    assert rc == 1 and "no fitted model in the store" in err and err.count("\n") == 1
+    assert rc == 1 and "the store knows no device yet: name one with --gpu" in err
+    assert err.count("\n") == 1
     rc, _, err = run(capsys, "predict", "8", "8", "--dtype", "fp32", *sd)
     assert rc == 2 and err.count("\n") == 1
     rc, _, err = run(capsys, "evaluate", str(f), "--source", "x", *sd)
@@ -251,3 +258,113 @@ def test_gpu_flag_and_the_files_gpu_column_must_agree(capsys, env):
     assert err.count("\n") == 1
     rc, out, _ = run(capsys, "import", str(f), "--gpu", "NVIDIA GeForce RTX 4070", *sd)
     assert rc == 0
+
+
+# ------------------------------------------------------------------ issue 13
+
+
+def test_predict_and_advise_use_the_roofline_until_a_model_is_fitted(capsys, env):
+    """What the daemon predicts with: the roofline estimate before its first fit, then the
+    fitted model; said as such in the text and in --json (it was "no fitted model")."""
+    tmp, f, sd = env
+    assert run(capsys, "import", str(f), "--name", "lab", *sd)[0] == 0
+    gemm = ("1024", "1024", "1024", "--dtype", "fp32")
+    rc, out, err = run(capsys, "predict", *gemm, "--json", *sd)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["model"] == "roofline" and res["model_kind"] == "roofline"
+    assert res["device"] == "NVIDIA GeForce RTX 4070" and res["in_domain"] is False
+    roofline = max(2 * 1024**3 / PEAK, 4 * 3 * 1024**2 / BW)
+    assert res["runtime"]["value"] == pytest.approx(roofline / 0.7, rel=1e-6)  # efficiency
+    assert "power" not in res and "energy" not in res
+    rc, out, _ = run(capsys, "predict", *gemm, *sd)
+    assert rc == 0 and "(roofline estimate: no fitted model yet)" in out
+    assert "power    - (the roofline estimate has no power data)" in out
+    rc, out, _ = run(capsys, "advise", "1024", "1024", "1024", "--json", *sd)
+    adv = json.loads(out)
+    assert rc == 0 and adv["model_kind"] == "roofline"
+    times = [c["runtime_s"] for c in adv["configurations"]]
+    assert times == sorted(times) and adv["fastest"]["runtime_s"] == times[0]
+    assert adv["most_energy_efficient"] is None
+    assert {c["config"]["dtype"] for c in adv["configurations"]} >= {"fp32", "fp16"}
+    rc, out, _ = run(capsys, "advise", "1024", "1024", "1024", "--dtype", "fp32", *sd)
+    assert rc == 0 and "1 dtype (roofline estimate: no fitted model yet)" in out
+    assert "fastest:                fp32 blas nn:" in out
+    # the roofline predicts the daemon's probes: options it cannot express are refused
+    rc, _, err = run(capsys, "predict", *gemm, "--batch", "4", *sd)
+    assert rc == 2 and err.startswith("gemmd: error: --batch: the roofline estimate")
+    assert err.count("\n") == 1
+    rc, _, err = run(capsys, "predict", *gemm, "--calibrate", str(f), *sd)
+    assert rc == 1 and "--calibrate carries a fitted model over" in err
+    # once fitted, the fitted model, as the daemon
+    assert run(capsys, "fit", "--source", "lab", *sd)[0] == 0
+    rc, out, _ = run(capsys, "predict", *gemm, "--json", *sd)
+    res = json.loads(out)
+    assert rc == 0 and res["model"] == "rf-1" and res["model_kind"] == "random_forest"
+    assert "power" in res
+
+
+def test_predict_without_a_store_is_the_roofline_for_a_named_gpu(capsys, env):
+    tmp, f, sd = env
+    rc, out, err = run(capsys, "predict", "4096", "4096", "4096", "--dtype", "bf16", "--gpu",
+                       "h100-sxm", "--json", *sd)
+    assert rc == 0, err
+    assert json.loads(out)["model_kind"] == "roofline"
+    assert not (tmp / "state").exists()  # predicting creates no store
+    rc, _, err = run(capsys, "predict", "4096", "4096", "4096", "--dtype", "bf16", *sd)
+    assert rc == 1 and err == (f"gemmd: error: no store at {tmp / 'state' / 'gemmd.db'} "
+                               "(run gemmd run or gemmd import there first; see state_dir, "
+                               "--state-dir)\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["status"], ["export"], ["prune", "--source", "lab", "--all"], ["rebaseline"],
+    ["fit", "--source", "lab"], ["evaluate", "--source", "lab"], ["advise", "8", "8", "8"],
+])
+def test_every_command_says_the_same_when_there_is_no_store(capsys, env, argv):
+    tmp, f, sd = env
+    rc, _, err = run(capsys, *argv, *sd)
+    assert rc == 1 and err == (f"gemmd: error: no store at {tmp / 'state' / 'gemmd.db'} "
+                               "(run gemmd run or gemmd import there first; see state_dir, "
+                               "--state-dir)\n")
+
+
+def test_a_usage_error_of_a_command_is_one_line_naming_its_help(capsys, env):
+    tmp, f, sd = env
+    rc, _, err = run(capsys, "prune", "--source", "lab", "--all", "--max-rows", "1", *sd)
+    assert rc == 2 and err == ("gemmd: error: --all deletes every row of the source: give it "
+                               "alone (see gemmd prune --help)\n")
+    rc, _, err = run(capsys, "predict", "8", "8", "8", "--dtype", "fp32", "--kernel", "tiled",
+                     "--gpu", "rtx4070", *sd)
+    assert rc == 2 and err == "gemmd: error: --kernel tiled needs --tile (see gemmd predict " \
+                              "--help)\n"
+
+
+@pytest.mark.parametrize("rows, gist", [
+    (1, "the random split needs at least two rows (the data has 1)"),
+    (2, "the random split trains on 1 of 2 rows: 1 samples, fewer than model.min_samples"),
+])
+def test_evaluate_on_a_file_too_small_to_split_is_one_line(capsys, env, rows, gist):
+    """It was a scikit-learn traceback (issue 13)."""
+    tmp, f, sd = env
+    small = tmp / "small.csv"
+    small.write_text("\n".join(f.read_text().splitlines()[:rows + 1]) + "\n")
+    rc, out, err = run(capsys, "evaluate", str(small), *sd)
+    assert rc == 1 and err.startswith(f"gemmd: error: {gist}") and err.count("\n") == 1, err
+    rc, out, err = run(capsys, "evaluate", str(small), "--split", "shape", "--baseline",
+                       "none", *sd)
+    assert rc == 1 and err.startswith("gemmd: error: ") and err.count("\n") == 1, err
+
+
+def test_a_closed_stdout_ends_without_a_traceback(tmp_path):
+    """gemmd export | head: the reader is gone; nothing to say on stderr."""
+    read, write = os.pipe()
+    os.close(read)  # every write to stdout fails with EPIPE
+    try:
+        r = subprocess.run([sys.executable, "-m", "gemmd", "predict", "64", "64", "64",
+                            "--dtype", "fp32", "--gpu", "h100-sxm", "--state-dir",
+                            str(tmp_path)], stdout=write, stderr=subprocess.PIPE, text=True,
+                           timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    finally:
+        os.close(write)
+    assert r.returncode == 1 and r.stderr == ""
