@@ -318,7 +318,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
     """Convert a YAML value to ``tp``; record errors and return a placeholder on failure."""
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, path, errs)
     if origin in (typing.Union, types.UnionType):
         alts = typing.get_args(tp)
@@ -562,11 +562,11 @@ def _check_memory(cfg: Config, errs: _Errors) -> None:
         errs.add("probes.sentinels",
                  f"{total:,} probe configurations, more than {MAX_SENTINELS:,}: each runs every "
                  "round and is exported as its own series")
-    for g, group in enumerate(cfg.probes.exploration):
-        need, dtype = least(group.m[0], group.n[0], group.k[0], group.dtypes)
-        if group.per_round and need > budget:
+    for g, draws in enumerate(cfg.probes.exploration):
+        need, dtype = least(draws.m[0], draws.n[0], draws.k[0], draws.dtypes)
+        if draws.per_round and need > budget:
             errs.add(f"probes.exploration[{g}]",
-                     f"its smallest shape {group.m[0]}x{group.n[0]}x{group.k[0]} needs "
+                     f"its smallest shape {draws.m[0]}x{draws.n[0]}x{draws.k[0]} needs "
                      f"{need / 2**20:,.0f} MiB of buffers even in {dtype}, over "
                      f"budget.memory_mb {cfg.budget.memory_mb}: no draw could run")
 
@@ -591,7 +591,7 @@ def _error(source: str, errs: _Errors, root: Any = None) -> ConfigError:
 def parse(data: Any, source: str = "<config>") -> Config:
     """Validate a parsed YAML document. Raises ConfigError listing every problem."""
     cfg, errs = _validate(data)
-    if errs:
+    if errs or cfg is None:  # None only with errors
         raise _error(source, errs)
     return cfg
 
@@ -664,7 +664,7 @@ class _Constructor:
             raise _DocError("", f"cannot read {what} as a {tag}: {e}", node.start_mark,
                             node) from e
 
-    def construct_yaml_int(self, node: Any) -> Any:
+    def construct_yaml_int(self: Any, node: Any) -> Any:  # self: a loader with this mixin
         text = str(node.value)
         if len(text) > MAX_INT_CHARS:
             raise _DocError("", f"integer of {len(text):,} characters: out of any range",
@@ -725,6 +725,7 @@ def _compose(loader: Any, deadline: float) -> Any:
     merges: dict[int, int] = {}  # id(mapping) -> depth of its merge-key (<<) chain
     stack: list[_Frame] = []
     root, count, events = None, 0, 0
+    node: yaml.Node | None  # None: only until an alias is checked
     while True:
         ev = get()
         events += 1
@@ -950,9 +951,10 @@ def load(path: str | Path | None) -> Config:
     data, root = _read_yaml(text, source)
     listen = data.get("listen") if isinstance(data, dict) else None
     web = listen.get("web_config_file") if isinstance(listen, dict) else None
-    if isinstance(web, str) and web and not Path(web).is_absolute():
+    if isinstance(listen, dict) and isinstance(web, str) and web and \
+            not Path(web).is_absolute():
         listen["web_config_file"] = str(Path(path).parent / web)  # relative to this file
     cfg, errs = _validate(data)
-    if errs:
+    if errs or cfg is None:  # None only with errors
         raise _error(source, errs, root)
     return cfg

@@ -23,6 +23,7 @@ from gemmd.exporter import Exposition, load_web_config, serve
 from gemmd.features import spec_of
 from gemmd.gemm import COLUMN, ProbeSpec
 from gemmd.probes import Measurement
+from gemmd.registry import RefitResult
 from gemmd.rounds import DeviceRunner, device_label
 from gemmd.runtime import build
 from gemmd.state import ProbeState
@@ -174,12 +175,15 @@ class Daemon:
         if self.stopping.is_set():
             return
         try:
-            outcome = self.registry.refit(cancel=self.stopping)
-            logger.info("refit: %s", outcome)
+            result = self.registry.refit(cancel=self.stopping)
+            self._record_refit(result)
+            logger.info("refit: %s (%s; %d of %d stored probes, fit %.1f s, refit %.1f s); "
+                        "predictions from %s", result.outcome, result.reason, result.rows,
+                        result.rows_total, result.fit_s, result.seconds, result.version)
             self._refit_error = None
-            if outcome == "accepted":
+            if result.accepted:
                 self.rereference()
-            if outcome == "insufficient_data":
+            if result.outcome == "insufficient_data":
                 self._first_fit.clear()  # try again after the next round
         except (OSError, GemmdError) as e:
             # Weather (a full disk, a store that cannot be written), not a bug: one line,
@@ -189,12 +193,10 @@ class Daemon:
             if msg != self._refit_error and not getattr(e, "reported", False):
                 logger.error("refit failed: %s", msg)
             self._refit_error = msg
-            with self.state.lock:
-                self.state.model.refits_total["failed"] += 1
+            self._record_refit(None)
         except Exception as e:
             logger.exception("refit failed: %s", e)
-            with self.state.lock:
-                self.state.model.refits_total["failed"] += 1
+            self._record_refit(None)
         try:
             # The daemon's own probes only: imported sources are the user's data.
             n = self.store.prune(self.cfg.store.retention_days, self.cfg.store.max_rows,
@@ -204,6 +206,16 @@ class Daemon:
         except Exception as e:
             if not getattr(e, "reported", False):
                 logger.error("store: prune failed: %s", e)
+
+    def _record_refit(self, result: RefitResult | None) -> None:
+        """The one place a refit is recorded in the live state (None: it failed)."""
+        with self.state.lock:
+            model = self.state.model
+            if result is None:
+                model.refits_total["failed"] += 1
+            else:
+                model.refits_total[result.outcome] += 1
+                model.last_refit_ts = result.ts
 
     def _save_drift(self) -> None:
         try:

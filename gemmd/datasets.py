@@ -31,7 +31,7 @@ from gemmd.hardware import CATALOGUE, Catalogue, SpecError, compact, spec_from_m
 
 # Every GPU of the catalogue (gemmd/hardware.py: datasheet figures, sources named there)
 # as a reference DeviceInfo, by key; known_gpu() also takes the names NVML and tools print.
-KNOWN_GPUS: dict[str, DeviceInfo] = {k: CATALOGUE.info(k) for k in CATALOGUE.keys()}
+KNOWN_GPUS: dict[str, DeviceInfo] = {k: CATALOGUE.info_of(k) for k in CATALOGUE.keys()}
 
 
 def known_gpu(name: str, catalog: Catalogue | None = None) -> DeviceInfo | None:
@@ -190,16 +190,16 @@ def _table(size: int, info: DeviceInfo | Sequence[DeviceInfo],
     for c, d in NUMERIC_DEFAULTS.items():
         v = cols.pop(c, d)
         full[c] = np.asarray(v, dtype=np.float64) if np.ndim(v) else np.full(n, float(v))
-    for c, d in (("dtype", "fp32"), ("kernel", "blas"), ("layout", "nn"), ("out_dtype", ""),
-                 ("variant", "")):
-        v = cols.pop(c, d)
+    for c, text in (("dtype", "fp32"), ("kernel", "blas"), ("layout", "nn"), ("out_dtype", ""),
+                    ("variant", "")):
+        v = cols.pop(c, text)
         full[c] = np.asarray(v, dtype=object) if np.ndim(v) else np.full(n, v, dtype=object)
     for c in TARGET_COLUMNS:
         v = cols.pop(c, math.nan)
         full[c] = np.asarray(v, dtype=np.float64) if np.ndim(v) else np.full(n, float(v))
     for c, v in cols.items():  # extra columns (ts, context) travel along
         full[c] = np.asarray(v)
-    devices = list(info) if isinstance(info, (list, tuple)) else [info]
+    devices = [info] if isinstance(info, DeviceInfo) else list(info)
     return Table(full, devices, np.zeros(n, dtype=np.int64) if device is None else device)
 
 
@@ -471,12 +471,12 @@ def load_csv(path: str | Path, gpu: str | None = None,
             raise InputError(f"{f.path}: column {h} has no unit; name it {_UNIT_HELP[si]}")
         measured.setdefault(si, []).append((h, factor))
     targets: dict[str, tuple[str, float]] = {}
-    for si, cols in measured.items():
-        cols.sort(key=lambda hc: _stem_rank(hc[0], si))
-        targets[si] = cols[0]
-        if len(cols) > 1:
-            notes.append(f"{si.split('_')[0]} from column {cols[0][0]}; "
-                         f"{', '.join(h for h, _ in cols[1:])} not used")
+    for si, heads in measured.items():
+        heads.sort(key=lambda hc: _stem_rank(hc[0], si))
+        targets[si] = heads[0]
+        if len(heads) > 1:
+            notes.append(f"{si.split('_')[0]} from column {heads[0][0]}; "
+                         f"{', '.join(h for h, _ in heads[1:])} not used")
     for canon, names in COLUMN_ALIASES.items():
         present = [h for h in f.header if _key(h) in names]
         present.sort(key=lambda h: names.index(_key(h)))
@@ -493,7 +493,7 @@ def load_csv(path: str | Path, gpu: str | None = None,
                          f"runtime_s/_ms/_us/_ns, power_w, energy_j/_mj/_uj (see docs/model.md)")
     used = set(rename) | {h for h, _ in targets.values()}
     ignored = [h for h in f.header if h not in used and not any(
-        h == x for cols in measured.values() for x, _ in cols)]
+        h == x for heads in measured.values() for x, _ in heads)]
     if ignored:
         notes.append(f"ignored column{'s' if len(ignored) > 1 else ''} "
                      f"{', '.join(ignored)} (not used by gemmd's model)")
@@ -515,10 +515,10 @@ def load_csv(path: str | Path, gpu: str | None = None,
         cols["layout"] = f.choice("layout", {x: x for x in LAYOUTS} | {"": "nn"}, "layout")
     if f.has("out_dtype"):
         cols["out_dtype"] = _dtypes(f, "out_dtype", empty="")
-    for c, hi in (("tile", 32), ("cta_m", 4096), ("cta_n", 4096), ("cta_k", 4096),
-                  ("stages", 64)):
+    for c, most in (("tile", 32), ("cta_m", 4096), ("cta_n", 4096), ("cta_k", 4096),
+                    ("stages", 64)):
         if f.has(c):
-            cols[c] = _opt_int(f, c, 0.0, hi)
+            cols[c] = _opt_int(f, c, 0.0, most)
     for c, d in (("alpha", 1.0), ("beta", 0.0)):
         if f.has(c):
             x = f.floats(c, optional=True)
@@ -603,7 +603,7 @@ def _described_gpus(f: _Csv, gpu: str | None, cat: Catalogue
                 else:
                     rec[what] = int(x) if what == "sm_count" and x == int(x) else x
             if base is not None and _same_as(base, rec):
-                info = cat.info(base.key)  # what the catalogue says (an export, say)
+                info = cat.info_of(base.key)  # what the catalogue says (an export, say)
             else:
                 digest = hashlib.sha256(repr(key).encode()).hexdigest()[:8]
                 rec["key"] = f"{(base.key if base else compact(names[i]) or 'custom')[:40]}" \

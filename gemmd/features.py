@@ -76,7 +76,7 @@ class Table:
         idx = np.asarray(idx)
         return Table({k: v[idx] for k, v in self.cols.items()}, self.devices, self.device[idx])
 
-    def info(self, i: int) -> DeviceInfo:
+    def info(self, i: int | np.integer) -> DeviceInfo:
         return self.devices[int(self.device[i])]
 
     def row(self, i: int) -> dict[str, Any]:
@@ -96,8 +96,8 @@ class Table:
             cols[c] = np.array([float(r[c]) for r in rows], dtype=np.float64)
         for c, d in NUMERIC_DEFAULTS.items():
             cols[c] = np.array([_num(r.get(c), d) for r in rows], dtype=np.float64)
-        for c, d in TEXT_DEFAULTS.items():
-            cols[c] = np.array([str(r.get(c) or d) for r in rows], dtype=object)
+        for c, text in TEXT_DEFAULTS.items():
+            cols[c] = np.array([str(r.get(c) or text) for r in rows], dtype=object)
         for c in TARGET_COLUMNS:
             cols[c] = np.array([_num(r.get(c), math.nan) for r in rows], dtype=np.float64)
         if any("ts" in r for r in rows[:1]):

@@ -343,11 +343,13 @@ class Catalogue:
     def info(self, name: str) -> DeviceInfo | None:
         """The reference DeviceInfo of a GPU name (the same object for every spelling)."""
         spec = self.lookup(name)
-        if spec is None:
-            return None
-        if spec.key not in self._infos:
-            self._infos[spec.key] = spec.info()
-        return self._infos[spec.key]
+        return None if spec is None else self.info_of(spec.key)
+
+    def info_of(self, key: str) -> DeviceInfo:
+        """The reference DeviceInfo of a key of this catalogue (KeyError if none)."""
+        if key not in self._infos:
+            self._infos[key] = self.specs[key].info()
+        return self._infos[key]
 
     def names(self) -> str:
         """The keys, for error messages."""

@@ -14,6 +14,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,30 @@ from gemmd.state import State
 from gemmd.store import Store
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    """What one refit did; the daemon's refit job records it in the live state.
+
+    ``outcome``: accepted (registered, predictions come from it), rejected (the current
+    model stays: nothing new to judge it on, or the new one is worse on unseen probes),
+    insufficient_data, or cancelled (shutdown began during the fit: nothing registered).
+    """
+
+    outcome: str
+    reason: str  # why, in words
+    rows: int  # probes the fit used (model.max_training_rows keeps the newest repeats)
+    rows_total: int  # usable probes stored
+    fit_s: float  # seconds fitting the new forest (0 when none was fitted)
+    seconds: float  # the whole refit, reading and validating included
+    version: str  # the model predictions come from after the refit
+    ts: float  # unix time the refit ended
+
+    @property
+    def accepted(self) -> bool:
+        return self.outcome == "accepted"
+
 
 def device_infos(store: Store) -> dict[str, DeviceInfo]:
     out = {}
@@ -68,9 +93,9 @@ def training_table(store: Store, sources: Sequence[str] = ("daemon",),
     for c, d in NUMERIC_DEFAULTS.items():
         out[c] = np.where(np.isnan(cols[c]), d, cols[c])
     n = len(device)
-    for c, d in TEXT_DEFAULTS.items():
-        out[c] = np.array([v or d for v in cols[c]], dtype=object) if c in cols else \
-            np.full(n, d, dtype=object)
+    for c, text in TEXT_DEFAULTS.items():
+        out[c] = np.array([v or text for v in cols[c]], dtype=object) if c in cols else \
+            np.full(n, text, dtype=object)
     for c in TARGET_COLUMNS:
         out[c] = cols[c]
     out["ts"] = cols["ts"]
@@ -78,6 +103,9 @@ def training_table(store: Store, sources: Sequence[str] = ("daemon",),
 
 
 class ModelRegistry:
+    """The active model. ``state``, if given, shows which one it is (version, scores);
+    refit outcomes are returned, for the caller to record."""
+
     def __init__(self, store: Store, model_dir: Path, cfg: ModelConfig, state: State | None = None):
         self.store = store
         self.model_dir = Path(model_dir)
@@ -135,7 +163,9 @@ class ModelRegistry:
         logger.info("predictions from %s calibrated on %d stored probes", model.version,
                     len(t))
 
-    def _set(self, model: ForestModel | RooflinePredictor, created: float | None) -> None:
+    def _set(self, model: ForestModel | TransferModel | RooflinePredictor,
+             created: float | None) -> None:
+        """Make ``model`` the active one, and show it in the live state (if given)."""
         with self._lock:
             self.current = model
             self.created = created
@@ -156,34 +186,39 @@ class ModelRegistry:
 
     # ------------------------------------------------------------- refitting
     def refit(self, sources: Sequence[str] = ("daemon",), force: bool = False,
-              cancel: threading.Event | None = None) -> str:
-        """Fit on stored probes; returns the outcome (accepted, rejected, insufficient_data,
-        cancelled: shutdown began during the fit, nothing registered)."""
-        outcome = self._refit(sources, force, cancel)
-        if self.state is not None:
-            with self.state.lock:
-                self.state.model.refits_total[outcome] += 1
-                self.state.model.last_refit_ts = time.time()
-        return outcome
+              cancel: threading.Event | None = None) -> RefitResult:
+        """Fit on stored probes and register the new model unless it is worse than the
+        current one on probes that one has never seen (``force``: register it anyway).
 
-    def _refit(self, sources: Sequence[str], force: bool,
-               cancel: threading.Event | None = None) -> str:
+        Returns what happened, for the caller to log and record (only a rejection of a worse
+        model is logged here, as a warning). Errors (a store that cannot be written, a
+        full disk) are raised.
+        """
+        start = time.monotonic()
         cap = self.cfg.max_training_rows or None  # beyond it, see Store.training_columns
         t, total = training_table(self.store, sources, cap)
+        fit_s = 0.0
+
+        def result(outcome: str, reason: str) -> RefitResult:
+            with self._lock:
+                version = self.current.version
+            return RefitResult(outcome, reason, len(t), total, fit_s,
+                               time.monotonic() - start, version, time.time())
+
         if len(t) < total:
             logger.info("refit: training on %d of %d stored probes (model.max_training_rows "
                         "%d: each configuration keeps its newest repeats)", len(t), total, cap)
         if len(t) < self.cfg.min_samples:
-            logger.info("refit: %d samples, need model.min_samples=%d", len(t),
-                        self.cfg.min_samples)
+            reason = f"{len(t)} samples, need model.min_samples={self.cfg.min_samples}"
             if self.prior is not None and len(t):  # the reference, calibrated on what exists
                 self._calibrate_prior(None)
-            return "insufficient_data"
+            return result("insufficient_data", reason)
+        fit_start = time.monotonic()
         try:
             new = ForestModel.fit_table(t, self.cfg)
         except ModelError as e:
-            logger.info("refit: %s", e)
-            return "insufficient_data"
+            return result("insufficient_data", str(e))
+        fit_s = time.monotonic() - fit_start
         with self._lock:
             old, old_created = self.current, self.created
         if isinstance(old, TransferModel):  # a new forest is judged against the last one
@@ -192,20 +227,20 @@ class ModelRegistry:
         if isinstance(old, ForestModel) and not force:
             unseen = np.flatnonzero(t["ts"] > (old_created or 0))
             if not len(unseen):
-                logger.info("refit: no probes since model %s; keeping it", old.version)
-                return "rejected"
+                return result("rejected", f"no probes since model {old.version}; keeping it")
             new_err, old_err = self._compare(new, old, t, unseen)
             if new_err > old_err:
-                logger.warning("refit rejected: new model's runtime error %.2f%% on %d unseen "
-                               "probes is worse than current %s's %.2f%%", 100 * new_err,
-                               len(unseen), old.version, 100 * old_err)
-                return "rejected"
+                reason = (f"new model's runtime error {100 * new_err:.2f}% on {len(unseen)} "
+                          f"unseen probes is worse than current {old.version}'s "
+                          f"{100 * old_err:.2f}%")
+                logger.warning("refit rejected: %s", reason)
+                return result("rejected", reason)
         if cancel is not None and cancel.is_set():
-            logger.info("refit: shutting down; the new model is not registered")
-            return "cancelled"
-        self.register(new)
+            return result("cancelled", "shutting down; the new model is not registered")
+        version = self.register(new)
         self._calibrate_prior(new)
-        return "accepted"
+        return result("accepted", f"model rf-{version} registered"
+                      + (" (forced)" if force and isinstance(old, ForestModel) else ""))
 
     def _compare(self, new: ForestModel, old: ForestModel, t: Table, idx: np.ndarray
                  ) -> tuple[float, float]:

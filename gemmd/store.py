@@ -167,6 +167,7 @@ class Store:
         self._failed_writes = 0  # since the last "work again" line
         self._episode_rows = 0  # probe results not written since the last "work again" line
         self.rows_not_written = 0  # since open
+        self._max_pages: int | None = None  # SQLite's page limit before limit_size()
         self._seen_path = self.path.with_name(self.path.name + "-seen")
         existed = self.path.exists()
         size = self.path.stat().st_size if existed else 0
@@ -261,7 +262,7 @@ class Store:
 
     def _check_schema(self) -> None:
         for table, required in REQUIRED_COLUMNS.items():
-            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            have = set(self.columns(table))
             if not have:
                 problem = f"table {table} is missing"
             elif missing := [c for c in required if c not in have]:
@@ -344,11 +345,55 @@ class Store:
     def schema_version(self) -> int:
         return self._db.execute("PRAGMA user_version").fetchone()[0]
 
+    def columns(self, table: str) -> list[str]:
+        """The columns ``table`` has in this file, in order (none: no such table)."""
+        if table not in REQUIRED_COLUMNS:
+            raise ValueError(f"not a table of gemmd's store: {table!r}")
+        with self._lock:
+            return [r[1] for r in self._db.execute(f"PRAGMA table_info({table})")]
+
+    @property
+    def journal_mode(self) -> str:
+        """SQLite's journal mode for this store: "wal" unless the filesystem refused it."""
+        with self._lock:
+            return str(self._db.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+
+    # ------------------------------------------------------------- size
+    @property
+    def size_bytes(self) -> int:
+        """The database's size: its pages, the ones still in the -wal file included."""
+        with self._lock:
+            pages = self._db.execute("PRAGMA page_count").fetchone()[0]
+            return int(pages) * int(self._db.execute("PRAGMA page_size").fetchone()[0])
+
+    def limit_size(self, max_bytes: int | None) -> int:
+        """Let the database grow to ``max_bytes`` at most (never below its size now; None:
+        no limit): a write that needs more fails as on a full disk (StoreWriteError with
+        ``full``). Returns the limit now in force, in bytes."""
+        with self._lock:
+            if self._max_pages is None:  # SQLite's default, for None
+                self._max_pages = int(self._db.execute("PRAGMA max_page_count").fetchone()[0])
+            page = int(self._db.execute("PRAGMA page_size").fetchone()[0])
+            pages = self._max_pages if max_bytes is None else max(1, int(max_bytes) // page)
+            got = self._db.execute(f"PRAGMA max_page_count={pages}").fetchone()[0]
+            return int(got) * page
+
+    def trace(self, callback: Callable[[str], object] | None) -> None:
+        """Call ``callback`` with the text of every SQL statement this store runs from now
+        on (None: stop). For debugging: what a read or write actually asks of SQLite."""
+        with self._lock:
+            self._db.set_trace_callback(callback)
+
+    @property
+    def in_transaction(self) -> bool:
+        """True while a transaction is open: only inside a write, never between calls."""
+        return self._db.in_transaction
+
     # ------------------------------------------------------------- writes
     def _rollback(self) -> None:
         """Roll back if a transaction is open: SQLite ends one itself on some errors
         (SQLITE_FULL, SQLITE_IOERR), and a second error must not hide the first."""
-        if self._db.in_transaction:
+        if self.in_transaction:
             try:
                 self._db.execute("ROLLBACK")
             except sqlite3.Error as e:

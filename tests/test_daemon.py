@@ -65,3 +65,40 @@ def test_a_round_skipped_as_busy_is_retried_soon_not_a_whole_interval_later(tmp_
     assert ds.rounds_total >= 3 and ds.skipped_total["utilization"] >= 3
     d = _run_for(_busy_daemon(tmp_path / "b", retry=0), 1.0)
     assert d.state.devices[d.devices[0].info.uuid].rounds_total == 1
+
+
+def test_the_refit_job_records_each_outcome_in_the_state_once(tmp_path):
+    """The registry returns what a refit did; the daemon's refit job alone records it, and
+    the exporter shows it."""
+    from gemmd.exporter import assemble
+
+    base = Config()
+    probes = dataclasses.replace(
+        base.probes,
+        sentinels=(ProbeGroup(shapes=((1024, 1024, 1024), (4096, 4096, 4096)),
+                              dtypes=("bf16", "fp32")),),
+        measure=MeasureConfig(window_s=0.1, warmup_s=0.0))
+    cfg = dataclasses.replace(
+        base, backend="fake", isolation="thread", state_dir=str(tmp_path), probes=probes,
+        listen=dataclasses.replace(base.listen, address="127.0.0.1", port=0),
+        budget=dataclasses.replace(base.budget, duty_cycle=1.0),
+        model=dataclasses.replace(base.model, min_samples=10, n_estimators=10),
+        fake=FakeConfig(devices=(FakeDeviceConfig(),)))
+    d = Daemon(cfg)
+    try:
+        d.refit()  # nothing stored yet
+        assert d.state.model.refits_total == {"insufficient_data": 1}
+        for _ in range(3):
+            d.runners[0].run_round()
+        d.refit()
+        d.refit()  # no probes since the last fit: the model stays
+        model = d.state.model
+        assert model.refits_total == {"insufficient_data": 1, "accepted": 1, "rejected": 1}
+        assert model.version == d.registry.current.version != "roofline"
+        g = assemble(d.state, process=False).get_sample_value
+        for outcome, n in (("insufficient_data", 1), ("accepted", 1), ("rejected", 1),
+                           ("failed", 0)):
+            assert g("gemmd_model_refits_total", {"outcome": outcome}) == n
+        assert g("gemmd_model_last_refit_timestamp_seconds") == model.last_refit_ts > 0
+    finally:
+        d.stop()

@@ -116,8 +116,7 @@ def test_status_shows_rows_per_source_and_prune_deletes_on_request(tmp_path):
 
 
 def _fill(store):
-    n = store._db.execute("PRAGMA page_count").fetchone()[0]
-    store._db.execute(f"PRAGMA max_page_count={n}")
+    assert store.limit_size(store.size_bytes) == store.size_bytes
 
 
 def test_rounds_on_a_full_disk_keep_results_count_them_and_log_once(tmp_path, caplog):
@@ -144,7 +143,7 @@ def test_rounds_on_a_full_disk_keep_results_count_them_and_log_once(tmp_path, ca
         problems = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(problems) == 1 and "full" in problems[0].getMessage()
         assert not any(r.exc_info for r in caplog.records)
-        store._db.execute("PRAGMA max_page_count=1073741823")  # space is back
+        store.limit_size(None)  # space is back
         runner.run_round()
         assert len(store.probes(outcome=None)) == stored + 6
         back = [r.getMessage() for r in caplog.records if "work again after" in r.getMessage()]
@@ -271,11 +270,11 @@ def test_refit_reads_only_the_fits_columns_and_at_most_the_cap(tmp_path, monkeyp
     try:
         _populate(store, n_rounds=30)
         statements: list[str] = []
-        store._db.set_trace_callback(statements.append)
+        store.trace(statements.append)
         cfg = dataclasses.replace(Config().model, min_samples=10, n_estimators=10,
                                   max_training_rows=150)
         reg = ModelRegistry(store, tmp_path / "models", cfg)
-        assert reg.refit() == "accepted"
+        assert reg.refit().outcome == "accepted"
         assert reg.current.meta["n_samples"] <= 150
         reads = [s for s in statements if "FROM probes" in s]
         assert reads and not [s for s in reads if "SELECT *" in s or "context" in s], reads

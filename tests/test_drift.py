@@ -429,7 +429,7 @@ def _fit_and_reference(d) -> None:
     for _ in range(8):
         for r in d.runners:
             r.run_round()
-    assert d.registry.refit() == "accepted"
+    assert d.registry.refit().outcome == "accepted"
     d.rereference()
 
 def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):

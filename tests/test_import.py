@@ -19,7 +19,7 @@ timestamp,M,N,K,kernel,layout,cta_m,cta_n,cta_k,stages,epilogue,alpha,beta,runti
 
 def test_schema_has_the_import_columns(store):
     assert SCHEMA_VERSION >= 2
-    cols = {r[1] for r in store._db.execute("PRAGMA table_info(probes)")}
+    cols = set(store.columns("probes"))
     assert set(PROBE_COLUMNS) <= cols
     assert {"batch", "cta_m", "cta_n", "cta_k", "stages", "alpha", "beta", "out_dtype"} <= cols
 

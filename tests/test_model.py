@@ -151,17 +151,26 @@ def test_refit_outcomes_and_kept_files(tmp_path, dev):
     cfg = ModelConfig(n_estimators=10, min_samples=30, keep=2)
     reg = ModelRegistry(store, tmp_path / "models", cfg, state)
     store.insert_probes(_rows(dev, 10))
-    assert reg.refit() == "insufficient_data"
+    r = reg.refit()
+    assert r.outcome == "insufficient_data" and "min_samples=30" in r.reason
+    assert r.rows == r.rows_total == 10 and r.version == "roofline"
     assert reg.current.kind == "roofline"
     store.insert_probes(_rows(dev, 40, seed=2, ts=2000))
-    assert reg.refit() == "accepted" and reg.current.kind == "random_forest"
+    r = reg.refit()
+    assert r.outcome == "accepted" and reg.current.kind == "random_forest"
+    assert r.accepted and r.rows == 50 and r.version == reg.current.version
+    assert 0 < r.fit_s <= r.seconds
     # Nothing new since the fit: keep the current model.
-    assert reg.refit() == "rejected"
+    r = reg.refit()
+    assert r.outcome == "rejected" and "no probes since" in r.reason
+    forced = []
     for i in range(3):
         store.insert_probes(_rows(dev, 10, seed=10 + i, ts=5e9 + i * 100))
-        reg.refit(force=True)
+        forced.append(reg.refit(force=True).outcome)
     assert len(list((tmp_path / "models").glob("*.skops"))) == 2
-    assert state.model.refits_total["accepted"] == 4
+    assert forced == ["accepted"] * 3  # 4 accepted in all
+    # The registry returns outcomes (the daemon counts them); it shows the active model.
+    assert not state.model.refits_total
     assert state.model.version == reg.current.version
     store.close()
 
@@ -175,7 +184,7 @@ def test_refit_excludes_samples_flagged_as_drifting(tmp_path, dev):
     store.insert_probes(rows)
     reg = ModelRegistry(store, tmp_path / "models", ModelConfig(n_estimators=10,
                                                                 min_samples=30), State())
-    assert reg.refit() == "insufficient_data"  # only 20 usable samples
+    assert reg.refit().outcome == "insufficient_data"  # only 20 usable samples
     store.close()
 
 
@@ -192,7 +201,7 @@ def test_injected_slowdown_flagged_while_drifting_is_not_learned(tmp_path, dev):
         reg = ModelRegistry(store, tmp_path / f"models{flag_slow}",
                             ModelConfig(n_estimators=30, min_samples=30), State())
         store.insert_probes(_rows(dev, 80, seed=3))
-        assert reg.refit() == "accepted"
+        assert reg.refit().outcome == "accepted"
         slowed = _rows(slow_dev, 80, seed=4, ts=9e9)
         for r in slowed:
             r["flagged"] = flag_slow  # as the daemon stores results while drifting
@@ -277,6 +286,8 @@ def test_a_forest_fitted_on_other_features_is_refused(tmp_path, fitted):
 def test_a_model_whose_checksum_was_removed_from_the_store_is_refused(tmp_path, dev, fitted,
                                                                       caplog):
     import json
+    import sqlite3
+    from contextlib import closing
 
     model, _ = fitted
     store = Store(tmp_path / "gemmd.db")
@@ -288,9 +299,8 @@ def test_a_model_whose_checksum_was_removed_from_the_store_is_refused(tmp_path, 
         rec = next(m for m in store.models() if m["version"] == v)
         meta = dict(rec["meta"])
         meta.pop("sha256")
-        with store._db:
-            store._db.execute("UPDATE models SET meta = ? WHERE version = ?",
-                              (json.dumps(meta), v))
+        with closing(sqlite3.connect(store.path)) as db, db:  # tampered with
+            db.execute("UPDATE models SET meta = ? WHERE version = ?", (json.dumps(meta), v))
         fresh = ModelRegistry(store, tmp_path / "models", ModelConfig(), State())
         with caplog.at_level("ERROR"):
             fresh.load_active()

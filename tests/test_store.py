@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def row(**over):
 
 
 def test_open_sets_wal_and_schema_version(store):
-    assert store._db.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal"
+    assert store.journal_mode == "wal"
     assert store.schema_version == SCHEMA_VERSION >= 1
 
 
@@ -222,8 +223,7 @@ def test_sources_summary(store):
 
 def _fill(store):
     """SQLITE_FULL on the next write that needs a new page, as on a full filesystem."""
-    n = store._db.execute("PRAGMA page_count").fetchone()[0]
-    store._db.execute(f"PRAGMA max_page_count={n}")
+    assert store.limit_size(store.size_bytes) == store.size_bytes
 
 
 def test_disk_full_fails_each_write_cleanly_logs_once_and_recovers(store, caplog):
@@ -236,7 +236,7 @@ def test_disk_full_fails_each_write_cleanly_logs_once_and_recovers(store, caplog
             store.insert_probe(row(ts=2.0 + i, error=big))
         assert e.value.full and e.value.reported
         assert "rollback" not in str(e.value) and str(store.path) in str(e.value)
-        assert not store._db.in_transaction
+        assert not store.in_transaction
     assert store.failing and store.rows_not_written == 5
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
@@ -244,7 +244,7 @@ def test_disk_full_fails_each_write_cleanly_logs_once_and_recovers(store, caplog
     assert str(store.path.parent) in errors[0]
     assert not any(r.exc_info for r in caplog.records)
     # Space returns: the next write works, and one line says so with what was not written.
-    store._db.execute("PRAGMA max_page_count=1073741823")
+    store.limit_size(None)
     store.insert_probe(row(ts=10.0, error=big))
     back = [r.getMessage() for r in caplog.records if "work again after" in r.getMessage()]
     assert len(back) == 1 and "5 probe result(s) were not written" in back[0]
@@ -268,7 +268,7 @@ def test_writes_failing_and_recovering_over_and_over_log_every_five_minutes(stor
             with pytest.raises(StoreWriteError):
                 store.insert_probe(row(error=big))
         now[0] += 8
-        store._db.execute("PRAGMA max_page_count=1073741823")
+        store.limit_size(None)
         store.insert_probe(row())
         now[0] += 2
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -289,12 +289,13 @@ def test_writes_failing_and_recovering_over_and_over_log_every_five_minutes(stor
 
 def test_a_failed_prune_leaves_no_transaction_open(store):
     store.insert_probes([row(ts=1.0), row(ts=2.0)])
-    store._db.execute("CREATE TEMP TRIGGER fail BEFORE DELETE ON probes "
-                      "BEGIN SELECT RAISE(FAIL, 'simulated write failure'); END")
-    with pytest.raises((StoreError, sqlite3.Error)):
-        store.prune(retention_days=0.01, max_rows=1, now=1e9)
-    store._db.execute("DROP TRIGGER fail")
-    assert not store._db.in_transaction
+    with closing(sqlite3.connect(store.path)) as db:  # a trigger that makes deletes fail
+        db.execute("CREATE TRIGGER fail BEFORE DELETE ON probes "
+                   "BEGIN SELECT RAISE(FAIL, 'simulated write failure'); END")
+        with pytest.raises((StoreError, sqlite3.Error)):
+            store.prune(retention_days=0.01, max_rows=1, now=1e9)
+        db.execute("DROP TRIGGER fail")
+    assert not store.in_transaction
     store.insert_probe(row(ts=3.0))  # not "cannot start a transaction within a transaction"
     assert len(store.probes()) == 3
 

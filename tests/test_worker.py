@@ -93,6 +93,17 @@ def test_cancel_abandons_the_probe_and_kills_the_worker(worker):
     assert time.monotonic() - t0 < 3.0 and d.pid is None
 
 
+def test_clock_is_the_parents_and_never_restarts_a_killed_worker(worker):
+    d = worker(hang_on_call=1)
+    with pytest.raises(DeviceError, match="worker killed"):
+        d.measure(SPEC, FAST)
+    assert d.pid is None
+    before = time.monotonic()
+    t = d.clock()
+    assert before <= t <= time.monotonic()  # time.monotonic, read here
+    assert d.pid is None and d.restarts == 0  # no child started to answer it
+
+
 def test_close_kills_a_hung_worker(worker):
     d = worker(hang_on_call=1)
     proc = d._proc

@@ -331,8 +331,8 @@ class DriftCollector(_Group):
                                     labels=(*DEVICE_LABELS, "target"))
         for d in devices:
             for target in TARGETS:
-                key = (*_dev_labels(d), target)
-                total.add_metric(list(key), alarms.get(key, 0))
+                dev_target = (*_dev_labels(d), target)
+                total.add_metric(list(dev_target), alarms.get(dev_target, 0))
         yield total
         yield from self._devices(devices, snap, probe_drift)
 

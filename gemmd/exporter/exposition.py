@@ -37,9 +37,12 @@ class Exposition:
                 self._text = generate_latest(self.metrics.cached)
                 self._gzip, self._version = None, version
                 self.renders += 1
-            if gzip_ok and self._gzip is None:
-                self._gzip = gzip.compress(self._text, 6)
-            cached = self._gzip if gzip_ok else self._text
+            if not gzip_ok:
+                cached = self._text
+            elif self._gzip is not None:
+                cached = self._gzip
+            else:
+                cached = self._gzip = gzip.compress(self._text, 6)
         live = generate_latest(self.metrics.live)
         self.metrics.live_collector.last_duration = time.perf_counter() - t0
         # Text format 0.0.4 is a plain sequence of families; gzip members concatenate.

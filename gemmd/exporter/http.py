@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote_to_bytes, urlsplit
 from wsgiref.handlers import SimpleHandler
+from wsgiref.headers import Headers
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import gzip_accepted
@@ -172,7 +173,7 @@ class WebConfig:
     http2: bool = True  # accepted for compatibility; gemmd speaks HTTP/1.1 only
 
 
-def load_web_config(path: str | os.PathLike) -> WebConfig:
+def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     """Read and validate an exporter-toolkit web configuration file (the format of
     node_exporter's and dcgm-exporter's ``--web.config.file``). Every problem is reported
     in one ConfigError, one line each, naming the key: missing or unreadable certificate,
@@ -181,7 +182,7 @@ def load_web_config(path: str | os.PathLike) -> WebConfig:
     exporter-toolkit does not allow, unknown keys."""
     from gemmd.config import _read, _read_yaml  # the hardened YAML reader of gemmd.yaml
 
-    source, text = _read(path)
+    source, text = _read(os.fspath(path))
     data, _ = _read_yaml(text, source)
     base = Path(source).resolve().parent
     problems: list[str] = []
@@ -250,12 +251,12 @@ def _tls_settings(tls: dict, base: Path, problems: list[str]) -> TLSSettings | N
             problems.append(f"{k}{key}: expected a file name, got {type(v).__name__}")
             files[key] = None
         else:
-            files[key] = str(base / v)
+            name = files[key] = str(base / v)
             try:
-                with open(files[key], "rb") as f:
+                with open(name, "rb") as f:
                     f.read(1)
             except (OSError, ValueError) as e:
-                problems.append(f"{k}{key}: cannot read {files[key]}: "
+                problems.append(f"{k}{key}: cannot read {name}: "
                                 f"{getattr(e, 'strerror', None) or e}")
                 files[key] = None
     auth = tls.get("client_auth_type", "NoClientCert") or "NoClientCert"
@@ -291,10 +292,11 @@ def _tls_settings(tls: dict, base: Path, problems: list[str]) -> TLSSettings | N
     prefer = tls.get("prefer_server_cipher_suites", True)
     if not isinstance(prefer, bool):
         problems.append(f"{k}prefer_server_cipher_suites: expected true or false")
-    if len(problems) > n0:
+    cert, key_file = files["cert_file"], files["key_file"]
+    if len(problems) > n0 or cert is None or key_file is None:  # None: a problem said so
         return None
-    settings = TLSSettings(files["cert_file"], files["key_file"], files["client_ca_file"],
-                           auth, sans, versions[0], versions[1], ciphers, prefer)
+    settings = TLSSettings(cert, key_file, files["client_ca_file"], auth, sans, versions[0],
+                           versions[1], ciphers, prefer)
     try:  # the certificate matches its key, the CA file holds certificates, ...
         settings.context()
     except (OSError, ssl.SSLError, ValueError) as e:
@@ -490,6 +492,9 @@ class _Gateway(SimpleHandler):
     server_software = SERVER
     http_version = "1.1"
     os_environ: dict = {}  # not the process environment in every request
+    # Set by BaseHandler.start_response and setup_environ; typeshed does not declare them.
+    headers: Headers
+    environ: dict[str, Any]
 
     def cleanup_headers(self) -> None:
         super().cleanup_headers()
@@ -577,7 +582,8 @@ class _Connection(asyncio.Protocol):
         self.transport: Any = None
         self.buf = bytearray()
         self.line_checked = False
-        self.head: tuple | None = None
+        # (method, path, query, version, headers) once the request head is read
+        self.head: tuple[str, str, str, str, dict[str, str]] | None = None
         self.need = 0  # bytes of body still to come
         self.timer: asyncio.TimerHandle | None = None
         self.job: asyncio.Future | None = None
@@ -602,10 +608,11 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.tls = self.srv.tls is not None
+        tls = self.srv.tls
+        self.tls = tls is not None
         if self.closed:  # timed out or evicted while the handshake finished
             transport.abort()
-        elif self.tls and not self.srv.tls.sans_allowed(transport.get_extra_info("peercert")):
+        elif tls is not None and not tls.sans_allowed(transport.get_extra_info("peercert")):
             logger.info("http: client certificate of %s has none of client_allowed_sans",
                         self.peer())
             transport.abort()
@@ -706,6 +713,7 @@ class _Connection(asyncio.Protocol):
 
     # -- answering
     def environ(self) -> dict:
+        assert self.head is not None  # dispatch() comes after the head was read
         method, path, query, version, headers = self.head
         peer = self.transport.get_extra_info("peername") or ("", 0)
         env = {"REQUEST_METHOD": method, "SCRIPT_NAME": "", "PATH_INFO": path,
@@ -776,7 +784,7 @@ class _TLS:
         self._sans = {self._norm(s) for s in settings.client_allowed_sans}
 
     def _signature(self) -> tuple:
-        out = []
+        out: list[tuple[int, int, int] | None] = []  # None: the file cannot be read
         for f in self.settings.files():
             try:
                 st = os.stat(f)
