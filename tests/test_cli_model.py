@@ -129,13 +129,28 @@ def test_errors_are_one_line(capsys, env):
 
 def test_report_writes_html_with_figures(capsys, env):
     tmp, f, sd = env
-    rc, out, _ = run(capsys, "report", str(f), "--out", str(tmp / "rep"), *sd)
-    assert rc == 0
-    page = (tmp / "rep" / "report.html").read_text()
+    dest = tmp / "rep" / "report.html"  # a file, in a directory made for it
+    rc, out, _ = run(capsys, "report", str(f), "--out", str(dest), *sd)
+    assert rc == 0 and out == f"wrote {dest}\n"
+    page = dest.read_text()
     svgs = page.count("<svg")
-    assert svgs == 8  # 4 figures x (runtime, power)
+    assert svgs == 6  # 3 figures x (runtime, power)
     for chunk in page.split("<svg")[1:]:
         ET.fromstring("<svg" + chunk.split("</svg>")[0] + "</svg>")  # well-formed
+
+
+def test_report_out_is_a_file_and_fleet_options_are_checked(capsys, env):
+    tmp, f, sd = env
+    rc, _, err = run(capsys, "report", str(f), "--out", str(tmp), *sd)
+    assert rc == 1
+    assert err == f"gemmd: error: --out {tmp}: is a directory; give an .html file to write\n"
+    rc, _, err = run(capsys, "report", "--fleet", str(f), *sd)
+    assert rc == 2 and "--fleet reads the daemon's store" in err
+    rc, _, err = run(capsys, "report", str(f), "--device", "0", *sd)
+    assert rc == 2 and "add --fleet" in err
+    rc, _, err = run(capsys, "report", "--fleet", "--days", "nan", "--out",
+                     str(tmp / "f.html"), *sd)
+    assert rc == 1 and err.count("\n") == 1 and "--days nan" in err
 
 
 def test_progress_bar_only_on_a_terminal():
