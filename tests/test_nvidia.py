@@ -86,6 +86,16 @@ def test_open_all_without_pynvml_or_gpu_is_unavailable(monkeypatch):
         nvidia.open_all(memory_budget=1 << 30)
 
 
+def test_a_gpu_without_cupy_is_unavailable_with_the_extra_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    nv = Nvml(FakePynvml(_gpus()))
+    with pytest.raises(DeviceUnavailable, match=r"^CuPy is not installed \(pip install "
+                                                 r"'gemmd-gpu\[cuda12\]'\)$"):
+        nvidia.NvidiaDevice(nv.discover()[0], memory_budget=1 << 30, nvml=nv)
+
+
 def test_peak_flops_and_bandwidth_match_datasheets():
     h100 = hardware.peak_flops((9, 0), 132, 1.83e9)  # tensor-core boost clock
     assert h100["bf16"] == pytest.approx(989e12, rel=0.01)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 import math
 import os
@@ -36,7 +35,7 @@ from gemmd.devices.cublas import (
     Cublas,
     CublasError,
 )
-from gemmd.devices.nvml import GpuRecord, Nvml, parse_visible_devices
+from gemmd.devices.nvml import GpuRecord, Nvml, import_gpu_library, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable
 from gemmd.gemm import ProbeSpec
 from gemmd.hardware import arch_rates, bandwidth, enrich_device_info, peak_flops
@@ -231,11 +230,7 @@ class NvidiaDevice(Device):
     def __init__(self, record: GpuRecord, *, memory_budget: int, seed: int = 0,
                  nvml: Nvml | None = None, cupy: Any = None, cublas: Cublas | None = None):
         if cupy is None:
-            try:
-                cupy = importlib.import_module("cupy")
-            except ImportError as e:
-                raise DeviceUnavailable(
-                    "CuPy is not installed (pip install 'gemmd-gpu[cuda12]')") from e
+            cupy = import_gpu_library("cupy", "CuPy")
         self.cp = cupy
         self.record = record
         self.nvml = nvml or Nvml()

@@ -86,17 +86,20 @@ class GpuRecord:
     vbios_version: str = ""
 
 
+def import_gpu_library(name: str, what: str) -> ModuleType:
+    """Import one of the NVIDIA backend's libraries (the cuda12 extra), or say how to get
+    it: DeviceUnavailable, which makes ``backend: auto`` fall back to the CPU."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise DeviceUnavailable(f"{what} is not installed (pip install 'gemmd-gpu[cuda12]')") from e
+
+
 class Nvml:
     """A narrow NVML interface: discovery, energy, power, context, processes."""
 
     def __init__(self, module: ModuleType | None = None):
-        if module is None:
-            try:
-                module = importlib.import_module("pynvml")
-            except ImportError as e:
-                raise DeviceUnavailable(
-                    "pynvml is not installed (pip install 'gemmd-gpu[cuda12]')") from e
-        self.nv: Any = module
+        self.nv: Any = module if module is not None else import_gpu_library("pynvml", "pynvml")
         try:
             self.nv.nvmlInit()
         except self.nv.NVMLError as e:
