@@ -47,11 +47,10 @@ class ListenConfig:
     web_config_file: str = _f("")
 
 
-@dataclass(frozen=True)
-class ProbeGroup:
-    """A cartesian product of probe configurations, repeated every round."""
+@dataclass(frozen=True, kw_only=True)
+class _Variants:
+    """What a group of probes runs besides its shapes: every combination of these."""
 
-    shapes: tuple[tuple[int, int, int], ...] = _f(((1024, 1024, 1024),), min=1, max=1 << 20)
     dtypes: tuple[str, ...] = _f(("fp32",), choices=DTYPES)
     kernels: tuple[str, ...] = _f(("blas",), choices=KERNELS)
     # Tile edge of the paper's naive tiled kernel; ignored for blas.
@@ -61,8 +60,15 @@ class ProbeGroup:
     backends: tuple[str, ...] = _f((), choices=BACKENDS[1:])
 
 
-@dataclass(frozen=True)
-class ExplorationConfig:
+@dataclass(frozen=True, kw_only=True)
+class ProbeGroup(_Variants):
+    """A cartesian product of probe configurations, repeated every round."""
+
+    shapes: tuple[tuple[int, int, int], ...] = _f(((1024, 1024, 1024),), min=1, max=1 << 20)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExplorationConfig(_Variants):
     """Random shapes per round (stored for training, never exported as labels)."""
 
     per_round: int = _f(2, min=0, max=1000)
@@ -70,11 +76,6 @@ class ExplorationConfig:
     n: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
     k: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
     align: int = _f(64, min=1, max=4096)
-    dtypes: tuple[str, ...] = _f(("fp32",), choices=DTYPES)
-    kernels: tuple[str, ...] = _f(("blas",), choices=KERNELS)
-    tiles: tuple[int, ...] = _f((16,), min=1, max=32)
-    layouts: tuple[str, ...] = _f(("nn",), choices=LAYOUTS)
-    backends: tuple[str, ...] = _f((), choices=BACKENDS[1:])
 
 
 @dataclass(frozen=True)
