@@ -850,11 +850,32 @@ GROUP_SD_KNOWN = 0.15  # a dtype/kernel the prior knows on that GPU model
 RESID_SD0 = 0.3  # scatter left after the offsets on a new GPU, before the probes say
 RESID_DOF0 = 3.0  # the weight of that guess, in probes
 MIN_PROBES_IN_DOMAIN = 3  # probes of a dtype/kernel that make a device's predictions in domain
-MIN_SELECT = 5  # probes before forests on the device's own data are tried (by CV)
-MIN_RESIDUAL = 10  # probes before a forest on the calibrated residuals is tried
+MIN_SELECT = 5  # probes before recipes on the device's own data are fitted (chosen by CV)
+MIN_RESIDUAL = 10  # probes before trees on the calibrated residuals are tried
 CV_FOLDS = 5
 CV_MAX_ROWS = 2000  # cross-validation of the choice reads at most this many probes
-CHOICES = ("calibrated", "residual", "own")
+CHOICES = ("calibrated", "residual", "own", "few")
+# From MIN_SELECT probes the recipe is a default: the calibrated prior where the prior
+# was fitted on the device's GPU model (a fleet's reference model: its shape is right),
+# else "few" (below); from MIN_OVERRIDE probes, another recipe replaces it where
+# cross-validation over the probes finds it better by SELECT_SE standard errors of the
+# paired difference. On the shared data (27 source/target/probe-count cases at 5-50
+# probes, every target a GPU the prior never saw; docs/model.md) "few" alone averaged
+# 23.2% MAPE on held-out shapes; the recipe with the lowest CV error 24.6% (a few probes'
+# CV error is noisy, its minimum often a fluke), with one standard error 24.1%, with two
+# 23.5%. Below MIN_OVERRIDE probes the folds hold one or two probes each, and training
+# on 80% of 5 probes handicaps the data-hungry recipes: those choices lost.
+DEFAULT_CHOICE = "few"
+SELECT_SE = 2.0
+MIN_OVERRIDE = 10
+# "few": extremely randomized trees on the device's probes, each split the best of one
+# random threshold on each of a third of the features (Breiman's p/3 for regression). On a
+# few probes a bootstrapped forest's best-threshold splits make a coarse step function of
+# them; random thresholds average into a smoother one (bench/transfer.py, 20 probes:
+# 15.6-28.9% MAPE on held-out shapes against 16.1-29.9% for gemmd's forest on the same
+# probes, better on every GPU of the shared data; at 200 probes 7-19% against 8-21%,
+# worse on the RTX 4070 only).
+FEW_MAX_FEATURES = 1 / 3
 
 
 @dataclass
@@ -971,13 +992,18 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
 class TransferModel:
     """A prior model of other GPUs, carried over to the devices of ``calibrations``.
 
-    Per device: the prior's prediction (an unknown GPU's level anchored, see
-    ForestModel.anchor_offsets) corrected by the device's calibration (a device-wide
-    offset, then per dtype/kernel, shrunk toward the prior while probes are few); from
-    MIN_SELECT probes on, per target, whichever of that, that plus a forest on the
-    calibrated residuals ("residual"), or a forest on the device's probes alone ("own")
-    has the lower error in cross-validation over the probes. Devices without probes get
-    the prior's prediction. Same interface as ForestModel (predict, predict_table).
+    Per device: without probes, the prior's prediction (an unknown GPU's level anchored,
+    see ForestModel.anchor_offsets); from one probe, the prior corrected by the device's
+    calibration (a device-wide offset, then per dtype/kernel, shrunk toward the prior
+    while probes are few); from MIN_SELECT probes on, per target, a recipe chosen by
+    cross-validation over the probes (grouped by shape): by default "few" (extremely
+    randomized trees on the device's own probes), or the calibrated prior
+    ("calibrated") where the prior knows the GPU model; from MIN_OVERRIDE probes on,
+    whichever of those, the calibrated prior plus trees on what it leaves unexplained
+    ("residual") or gemmd's forest on the probes ("own") beats the default by SELECT_SE
+    standard errors. A dtype/kernel the device has no probe of is predicted by the
+    calibrated prior whatever the recipe. Same interface as ForestModel (predict,
+    predict_table).
     """
 
     kind = "transfer"
@@ -985,13 +1011,18 @@ class TransferModel:
     def __init__(self, prior: ForestModel, calibrations: dict[str, DeviceCalibration],
                  choice: dict[str, str] | None = None, own: ForestModel | None = None,
                  residual: dict[str, tuple[Any, float]] | None = None,
-                 cv_scale: dict[str, float] | None = None, meta: dict[str, Any] | None = None):
+                 cv_scale: dict[str, float] | None = None, meta: dict[str, Any] | None = None,
+                 few: dict[str, tuple[Any, float]] | None = None,
+                 probe_domain: dict[str, Any] | None = None):
         self.prior = prior
         self.calibrations = calibrations
         self.choice = choice or {}
         self.own = own
+        # target -> (trees, noise of one measurement): on log(measured / calibrated prior)
         self.residual = residual or {}
-        self.cv_scale = cv_scale or {}
+        self.few = few or {}  # on the probes' model space
+        self.cv_scale = cv_scale or {}  # per target: the chosen recipe's interval factor
+        self.probe_domain = probe_domain  # domain_record of the probes
         self.z = prior.z
         self.meta = {**prior.meta, **(meta or {})}
         self.version = f"{prior.version}+cal"
@@ -1009,73 +1040,90 @@ class TransferModel:
             own: ForestModel | None = None, n_jobs: int = 1,
             select: bool = True) -> TransferModel:
         """Calibrate ``prior`` to the devices of ``t`` (their probes) and, with enough
-        probes, choose per target between calibration, residual forest and own forest by
-        cross-validation. ``own``: a forest already fitted on ``t`` (else fitted here)."""
+        probes, choose per target between the calibrated prior, residual trees, own
+        forest and few-probe trees by cross-validation. ``own``: a forest already fitted
+        on ``t`` (else fitted here when chosen)."""
         cals = calibrate(prior, t) if len(t) else {}
         n = len(t)
         choice = {tg: "calibrated" for tg in TARGETS}
-        residual: dict[str, tuple[Any, float]] = {}
         cv_scale: dict[str, float] = {}
         meta: dict[str, Any] = {"transfer": {"probes": n, "devices": sorted(cals)}}
+        devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
         if not select or n < MIN_SELECT:
-            out = cls(prior, cals, choice, None, residual, cv_scale, meta)
-            out.devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
+            out = cls(prior, cals, choice, meta=meta)
+            out.devices = devices
             return out
-        sub = cls._cv(prior, t, cfg, n_jobs)
-        icfg = dataclasses.replace(cfg, min_samples=2)
-        for target, errs in sub.items():
-            best = min(errs, key=lambda c: errs[c]["err"])
-            choice[target] = best
-            cv_scale[target] = errs[best]["scale"]
+        sub, picked = cls._cv(prior, t, cfg, n_jobs)
+        for target, c in picked.items():
+            choice[target] = c
+            cv_scale[target] = sub[target][c]["scale"]
         meta["transfer"]["cv"] = sub
-        meta["transfer"]["choice"] = dict(choice)
+        icfg = dataclasses.replace(cfg, min_samples=2)
         if "own" in choice.values() and own is None:
             try:
                 own = ForestModel.fit_table(t, icfg, n_jobs=n_jobs)
             except ModelError:
                 own = None
-        if "residual" in choice.values():
-            residual = _fit_residual(prior, cals, t, icfg, n_jobs,
-                                     [tg for tg, c in choice.items() if c == "residual"])
+        wanted = {c: [tg for tg, x in choice.items() if x == c] for c in ("few", "residual")}
+        few = _fit_trees(t, cfg, wanted["few"], n_jobs=n_jobs) if wanted["few"] else {}
+        residual = _fit_trees(t, cfg, wanted["residual"], _calibrated_logs(prior, cals, t),
+                              n_jobs) if wanted["residual"] else {}
+        few, residual = ({tg: (et, math.hypot(noise, sub[tg][name].get("floor", 0.0)))
+                          for tg, (et, noise) in trees.items()}
+                         for name, trees in (("few", few), ("residual", residual)))
         for target, c in choice.items():
             if (c == "own" and (own is None or target not in own.forests)) or \
-                    (c == "residual" and target not in residual):
+                    (c == "residual" and target not in residual) or \
+                    (c == "few" and target not in few):
                 choice[target] = "calibrated"
-        out = cls(prior, cals, choice, own, residual, cv_scale, meta)
-        out.devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
+                cv_scale[target] = sub.get(target, {}).get("calibrated", {}).get("scale", 1.0)
+        meta["transfer"]["choice"] = dict(choice)
+        out = cls(prior, cals, choice, own if "own" in choice.values() else None, residual,
+                  cv_scale, meta, few, domain_record(t))
+        out.devices = devices
         return out
 
     @classmethod
     def _cv(cls, prior: ForestModel, t: Table, cfg: ModelConfig, n_jobs: int
-            ) -> dict[str, dict[str, dict[str, float]]]:
-        """Per target and choice: mean |log error| over the probes, each predicted by a
-        recipe fitted without its configuration's fold, and the interval scale that
-        would have made the nominal interval cover that share of them."""
+            ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
+        """Cross-validation over the probes, grouped by shape (the recipes fitted without a
+        fold have seen none of its shapes): per target and recipe, the mean absolute
+        percentage error of the out-of-fold predictions ("err"), their number ("n") and
+        the interval "scale" that makes the nominal share of them covered; and per target
+        the recipe chosen: DEFAULT_CHOICE (the calibrated prior where the prior knows
+        every probed device's GPU model) unless, from MIN_OVERRIDE probes, another has a
+        lower error by SELECT_SE standard errors of the paired difference."""
         from sklearn.model_selection import GroupKFold
 
         if len(t) > CV_MAX_ROWS:
             t = t.take(np.sort(np.random.default_rng(0).choice(len(t), CV_MAX_ROWS,
                                                                 replace=False)))
-        gid = features.config_ids(t)
+        gid = np.unique(shape_hashes(t), return_inverse=True)[1].ravel()
         folds = min(CV_FOLDS, len(np.unique(gid)))
         if folds < 2:
-            return {}
+            return {}, {}
         icfg = dataclasses.replace(cfg, min_samples=2, n_estimators=min(cfg.n_estimators, 50))
         z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
-        pred = {c: {} for c in CHOICES}
+        # recipe -> target -> (log point, log sd) per row, NaN where not predicted
+        pred: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {c: {} for c in CHOICES}
         for train, test in GroupKFold(folds).split(np.zeros(len(t)), groups=gid):
             tr, te = t.take(train), t.take(test)
             base = cls.fit(prior, tr, cfg, select=False)
-            recipes: dict[str, Any] = {"calibrated": base}
+            cals, dom = base.calibrations, domain_record(tr)
+            recipes: dict[str, TransferModel] = {"calibrated": base}
             try:
-                recipes["own"] = ForestModel.fit_table(tr, icfg, n_jobs=n_jobs)
+                own = ForestModel.fit_table(tr, icfg, n_jobs=n_jobs)
+                recipes["own"] = cls(prior, cals, dict.fromkeys(own.forests, "own"), own)
             except ModelError:
                 pass
+            few = _fit_trees(tr, icfg, list(prior.forests), n_jobs=n_jobs)
+            recipes["few"] = cls(prior, cals, dict.fromkeys(few, "few"), few=few,
+                                 probe_domain=dom)
             if len(tr) >= MIN_RESIDUAL:
-                res = _fit_residual(prior, base.calibrations, tr, icfg, n_jobs,
-                                    list(prior.forests))
-                recipes["residual"] = cls(prior, base.calibrations,
-                                          {tg: "residual" for tg in res}, None, res)
+                res = _fit_trees(tr, icfg, list(prior.forests),
+                                 _calibrated_logs(prior, cals, tr), n_jobs)
+                recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
+                                          res, probe_domain=dom)
             for name, model in recipes.items():
                 for target, r in model.predict_table(te).items():
                     p = pred[name].setdefault(target, (np.full(len(t), np.nan),
@@ -1083,19 +1131,36 @@ class TransferModel:
                     p[0][test] = np.log(r["point"])
                     p[1][test] = (np.log(r["hi"]) - np.log(r["point"])) / z
         out: dict[str, dict[str, dict[str, float]]] = {}
+        apes: dict[str, dict[str, np.ndarray]] = {}
         for name, per in pred.items():
             for target, (mu, sd) in per.items():
-                y = np.log(t[COLUMN[target]])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    y = np.log(t[COLUMN[target]])
                 ok = np.isfinite(y) & np.isfinite(mu)
                 if ok.sum() < MIN_SELECT:
                     continue
                 err = np.abs(y[ok] - mu[ok])
-                q = conformal_quantile(err / np.maximum(sd[ok], 1e-9), cfg.interval)
-                ape = np.abs(np.expm1(mu[ok] - y[ok]))  # what MAPE averages
-                out.setdefault(target, {})[name] = {"err": float(ape.mean()),
-                                                    "scale": float(np.clip(q / z, 0.5, 4.0)),
-                                                    "n": int(ok.sum())}
-        return out
+                rec: dict[str, float] = {}
+                sdv, lo, hi = sd[ok], 0.5, 4.0
+                if name in ("few", "residual"):
+                    # The trees' spread vanishes on a configuration they were fitted on,
+                    # and without repeats the noise of a measurement is unknown: a floor
+                    # of the typical out-of-fold error (as the forests' OOB residual).
+                    rec["floor"] = float(1.4826 * np.median(err))
+                    sdv, lo, hi = np.hypot(sdv, rec["floor"]), 0.25, 8.0
+                q = conformal_quantile(err / np.maximum(sdv, 1e-9), cfg.interval) / z
+                ape = np.full(len(t), np.nan)
+                ape[ok] = np.abs(np.expm1(mu[ok] - y[ok]))  # what MAPE averages
+                apes.setdefault(target, {})[name] = ape
+                out.setdefault(target, {})[name] = {"err": float(np.nanmean(ape)),
+                                                    "scale": float(np.clip(q, lo, hi)),
+                                                    "n": int(ok.sum()), **rec}
+        known = set((prior.meta.get("domain") or {}).get("gpus", {}))
+        default = "calibrated" if {gpu_model_key(d) for j, d in enumerate(t.devices)
+                                   if (t.device == j).any()} <= known else DEFAULT_CHOICE
+        picked = {target: _select(errs, default, override=len(t) >= MIN_OVERRIDE)
+                  for target, errs in apes.items()}
+        return out, picked
 
     # ------------------------------------------------------------- predicting
     def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
@@ -1122,80 +1187,161 @@ class TransferModel:
         groups = _groups(t)
         zrow = np.full(len(t), self.z)
         has = np.array([c is not None for c in cals])[t.device]
+        used = {self.choice.get(tg, "calibrated") for tg in logs} if has.any() else set()
         out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        own_res = self.own.predict_table(t) if self.own is not None and has.any() and \
-            "own" in self.choice.values() else {}
-        res_logs = self._residual_logs(t) if self.residual and has.any() else {}
+        own_res = self.own.predict_table(t) if self.own is not None and "own" in used else {}
+        res_logs = self._tree_logs("residual", self.residual, t) if "residual" in used else {}
+        few_logs = self._tree_logs("few", self.few, t) if "few" in used else {}
+        # how far outside the probes' sizes a row is (the trees on them extrapolate flat)
+        near = domain_flags(self.probe_domain, t)["size"] if self.probe_domain and \
+            "few" in used else np.zeros(len(t))
         q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
         for target, (mu, sd) in logs.items():
             mu, sd = mu.copy(), widen(target, sd, flags0)
             choice = self.choice.get(target, "calibrated")
+            size_sd = OOD_SD.get(target, OOD_SD["runtime"])["size"]
+            scale = self.cv_scale.get(target, 1.0)
             for j, cal in enumerate(cals):
                 sel = t.device == j
                 if cal is None or target not in cal.level or not sel.any():
                     continue
                 idx = np.flatnonzero(sel)
+                # the device's own data only speak for the dtypes/kernels they cover
+                probed = np.array([cal.counts.get(target, {}).get(g, 0) > 0
+                                   for g in groups[idx]])
                 if choice == "own" and target in own_res:
-                    r = own_res[target]
-                    mu[idx] = np.log(r["point"][idx])
-                    sd[idx] = r["sigma"][idx] * self.cv_scale.get(target, 1.0)
-                    zrow[idx] = q
+                    r, i = own_res[target], idx[probed]
+                    mu[i], sd[i], zrow[i] = np.log(r["point"][i]), r["sigma"][i] * scale, q
+                    idx = idx[~probed]
+                elif choice == "few" and target in few_logs:
+                    i = idx[probed]
+                    fm, fs = few_logs[target]
+                    mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
+                    sd[i] = np.sqrt(fs[i] ** 2 + (size_sd * near[i]) ** 2) * scale
+                    zrow[i] = q
+                    idx = idx[~probed]
+                if not len(idx):
                     continue
                 off = np.array([cal.offset(target, g) for g in groups[idx]])
                 var = np.array([cal.variance(target, g) for g in groups[idx]])
                 mu[idx] += off
-                extra_sz = (OOD_SD.get(target, OOD_SD["runtime"])["size"] *
-                            flags["size"][idx]) ** 2
+                extra_sz = (size_sd * flags["size"][idx]) ** 2
                 if choice == "residual" and target in res_logs:
+                    i = np.flatnonzero(probed)
                     rm, rs = res_logs[target]
-                    mu[idx] += rm[idx]
-                    sd[idx] = np.sqrt(rs[idx] ** 2 + extra_sz) * self.cv_scale.get(target, 1.0)
-                    zrow[idx] = q
-                else:
-                    sd[idx] = np.sqrt(var + extra_sz) * self.cv_scale.get(target, 1.0)
-                    zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
-                        self.meta.get("interval", 0.9)) / 2)
+                    mu[idx[i]] += rm[idx[i]]
+                    sd[idx[i]] = np.sqrt(rs[idx[i]] ** 2 + extra_sz[i]) * scale
+                    zrow[idx[i]] = q
+                    idx, var, extra_sz = idx[~probed], var[~probed], extra_sz[~probed]
+                # the calibrated prior (its factor only where it is the chosen recipe)
+                c = scale if choice == "calibrated" else \
+                    self.meta.get("transfer", {}).get("cv", {}).get(target, {}).get(
+                        "calibrated", {}).get("scale", 1.0)
+                sd[idx] = np.sqrt(var + extra_sz) * c
+                zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
+                    self.meta.get("interval", 0.9)) / 2)
             out[target] = (mu, sd)
         if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
         return result(out, flags, zrow)
 
-    def _residual_logs(self, t: Table) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _tree_logs(self, kind: str, trees: dict[str, tuple[Any, float]], t: Table
+                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per target and row of ``t``: the mean of the trees' predictions (log space),
+        and their spread combined with the noise of one measurement (the sd before the
+        interval scale)."""
+        if not trees:
+            return {}
         X32 = features.table_matrix(t).astype(np.float32)
         out = {}
-        for target, (rf, sigma) in self.residual.items():
-            flat = self._flat.get(target)
+        for target, (et, noise) in trees.items():
+            key = f"{kind}/{target}"
+            flat = self._flat.get(key)
             if flat is None and X32.shape[0] <= _FLAT_MAX_ROWS:
-                flat = self._flat[target] = _FlatForest(rf.estimators_)
-            per_tree = _per_tree(rf, flat, X32)
-            out[target] = (per_tree.mean(axis=0), np.sqrt(per_tree.std(axis=0) ** 2 +
-                                                          sigma**2))
+                flat = self._flat[key] = _FlatForest(et.estimators_)
+            per_tree = _per_tree(et, flat, X32)
+            out[target] = (per_tree.mean(axis=0),
+                           np.maximum(np.sqrt(per_tree.std(axis=0) ** 2 + noise**2), MIN_SD))
         return out
 
 
-def _fit_residual(prior: ForestModel, cals: dict[str, DeviceCalibration], t: Table,
-                  cfg: ModelConfig, n_jobs: int, targets: Sequence[str]
-                  ) -> dict[str, tuple[Any, float]]:
-    """Per target: a forest on what the calibrated prior leaves unexplained, and its
-    noise sigma (log space)."""
+def _select(apes: Mapping[str, np.ndarray], default: str = DEFAULT_CHOICE,
+            override: bool = True) -> str:
+    """The recipe to use from per-probe out-of-fold errors (NaN where none): the
+    default (the calibrated prior where it has no errors), unless ``override`` and
+    another's error is lower by SELECT_SE standard errors of the paired difference (then
+    the lowest of those that are)."""
+    default = default if default in apes else "calibrated"
+    if default not in apes:
+        return min(apes, key=lambda c: float(np.nanmean(apes[c])))
+    if not override:
+        return default
+    best, best_err = default, float(np.nanmean(apes[default]))
+    for name, ape in apes.items():
+        d = apes[default] - ape
+        d = d[np.isfinite(d)]
+        if name == default or len(d) < 2:
+            continue
+        se = float(np.std(d, ddof=1)) / math.sqrt(len(d))
+        err = float(np.nanmean(ape))
+        if float(np.mean(d)) > SELECT_SE * se and err < best_err:
+            best, best_err = name, err
+    return best
+
+
+def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], t: Table
+                     ) -> dict[str, np.ndarray]:
+    """Per prior target: the calibrated prior's log prediction for each row of ``t``."""
     logs, _ = prior.prior_logs(t)
     groups = _groups(t)
+    uuids = [d.uuid for d in t.devices]
+    out = {}
+    for target, (mu, _) in logs.items():
+        off = np.array([cals[uuids[int(d)]].offset(target, g) if uuids[int(d)] in cals
+                        else 0.0 for d, g in zip(t.device, groups)])
+        out[target] = mu + off
+    return out
+
+
+def _fit_trees(t: Table, cfg: ModelConfig, targets: Sequence[str],
+               base: Mapping[str, np.ndarray] | None = None, n_jobs: int = 1
+               ) -> dict[str, tuple[Any, float]]:
+    """Per target: extremely randomized trees (FEW_MAX_FEATURES) on the probes of ``t``,
+    repeats of a configuration fitted as one row (their median), and the noise of one
+    measurement (log sd of the repeats; 0 without repeats); on the target's model space,
+    or on log(measured) - ``base[target]`` where ``base`` is given."""
+    from sklearn.ensemble import ExtraTreesRegressor
+
     X = features.table_matrix(t).astype(np.float32)
     gid = features.config_ids(t)
     out: dict[str, tuple[Any, float]] = {}
     for target in targets:
-        if target not in logs:
+        if base is not None and target not in base:
             continue
-        off = np.array([cals[t.devices[int(d)].uuid].offset(target, g)
-                        if t.devices[int(d)].uuid in cals else 0.0
-                        for d, g in zip(t.device, groups)])
-        y = np.log(t[COLUMN[target]]) - logs[target][0] - off
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = to_model_space(target, t) if base is None else \
+                np.log(t[COLUMN[target]]) - base[target]
         ok = np.isfinite(y)
-        if ok.sum() < MIN_RESIDUAL:
+        if ok.sum() < 2:
             continue
-        rf, s, _, _ = _fit_one(X[ok], y[ok], gid[ok], cfg, n_jobs)
-        out[target] = (rf, s)
+        first, med, cnt, inv = _aggregate(y[ok], gid[ok])
+        noise = 0.0
+        if (cnt >= 2).sum() >= 3:
+            rep = cnt[inv] >= 2
+            dev = y[ok][rep] - (np.bincount(inv, weights=y[ok]) / cnt)[inv][rep]
+            noise = float(np.sqrt(np.sum(dev**2) / (rep.sum() - (cnt >= 2).sum())))
+        Xg = X[ok][first]
+        if len(med) > MAX_SAMPLES:  # bounds the fitting time, as the forests' max_samples
+            keep = np.sort(np.random.default_rng(cfg.seed).choice(len(med), MAX_SAMPLES,
+                                                                  replace=False))
+            Xg, med, cnt = Xg[keep], med[keep], cnt[keep]
+        et = ExtraTreesRegressor(n_estimators=cfg.n_estimators, min_samples_leaf=1,
+                                 max_features=FEW_MAX_FEATURES, random_state=cfg.seed,
+                                 n_jobs=n_jobs)
+        et.fit(Xg, med, sample_weight=cnt.astype(np.float64))
+        et.n_jobs = 1  # predictions are single-threaded whatever the fit used
+        out[target] = (et, noise)
     return out
 
 
