@@ -24,7 +24,7 @@ from gemmd.features import spec_of
 from gemmd.gemm import COLUMN, ProbeSpec
 from gemmd.probes import Measurement
 from gemmd.registry import RefitResult
-from gemmd.rounds import DeviceRunner, device_label
+from gemmd.rounds import DeviceRunner, device_label, save_events
 from gemmd.runtime import build
 from gemmd.state import ProbeState
 from gemmd.store import DAEMON_SOURCE
@@ -51,6 +51,7 @@ class Daemon:
         self._refit_lock = threading.Lock()
         self._refit_error: str | None = None  # the last refit's failure, logged once
         self._drift_save_failing = False
+        self._model_noted: str | None = None  # the model the store's last model event names
         self.scheduler: Any = None  # APScheduler's BackgroundScheduler, made in start()
         self.httpd: Any = None
         self.port: int | None = None
@@ -58,6 +59,7 @@ class Daemon:
     # ----------------------------------------------------------------- start
     def start(self) -> None:
         self.registry.load_active()
+        self._note_model("loaded at start")
         if self.state.drift.model_version != self.registry.current.version:
             self.rereference()
         self.apply_rebaseline_request()
@@ -208,7 +210,8 @@ class Daemon:
                 logger.error("store: prune failed: %s", e)
 
     def _record_refit(self, result: RefitResult | None) -> None:
-        """The one place a refit is recorded in the live state (None: it failed)."""
+        """The one place a refit is recorded: in the live state (None: it failed) and, for
+        the record, in the store's events (a model activated; a new model rejected)."""
         with self.state.lock:
             model = self.state.model
             if result is None:
@@ -216,6 +219,42 @@ class Daemon:
             else:
                 model.refits_total[result.outcome] += 1
                 model.last_refit_ts = result.ts
+        if result is None:
+            return
+        if result.outcome == "rejected":
+            save_events(self.store, self.state, [{
+                "ts": result.ts, "kind": "refit_rejected",
+                "detail": {"reason": result.reason, "rows": result.rows,
+                           "version": result.version}}])
+        # A refit accepted registers a model; one that found too little data may still
+        # re-calibrate a reference model: recorded when the model predictions come from
+        # changes (or was registered anew).
+        self._note_model(f"refit {result.outcome}: {result.reason}", ts=result.ts,
+                         rows=result.rows, force=result.accepted)
+
+    def _note_model(self, reason: str, *, ts: float | None = None, rows: int | None = None,
+                    force: bool = False) -> None:
+        """Record a ``model`` event when the model predictions come from is not the one
+        the store's last model event names (``force``: a model registered anew). The
+        roofline a daemon starts with, before any model, is no event."""
+        current, created = self.registry.current, self.registry.created
+        if self._model_noted is None:
+            try:
+                last = [e for e in self.store.last_events("model") if e["device_uuid"] is None]
+            except GemmdError as e:
+                logger.debug("cannot read the last model event: %s", e)
+                last = []
+            self._model_noted = str(last[0]["detail"].get("version", "")) if last and \
+                isinstance(last[0]["detail"], dict) else ""
+        if not force and (current.version == self._model_noted or
+                          (not self._model_noted and current.kind == "roofline")):
+            return  # unchanged; or the roofline before any model (back to it is recorded)
+        meta = current.meta if isinstance(getattr(current, "meta", None), dict) else {}
+        if save_events(self.store, self.state, [{"ts": ts, "kind": "model", "detail": {
+                "version": current.version, "kind": current.kind,
+                "rows": int(meta.get("n_samples", 0) or 0) if rows is None else rows,
+                "created": created, "reason": reason}}]):
+            self._model_noted = current.version
 
     def _save_drift(self) -> None:
         try:

@@ -58,6 +58,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -167,6 +168,23 @@ class Alarm(NamedTuple):
 
     target: str
     spec: ProbeSpec | None
+
+
+class Transition(NamedTuple):
+    """A change of a device's drift state, for the record (the store's events): ``kind``
+    alarm (raised), clear (ended: its CUSUM back at 0, or a rebaseline), or rebaseline
+    (``drift.accept_after_s`` took the device's behaviour as its new normal). ``spec``
+    None: the device's pooled statistic (or, for a rebaseline, every track)."""
+
+    ts: float
+    kind: str
+    uuid: str
+    target: str | None
+    spec: ProbeSpec | None
+    detail: dict[str, Any]
+
+
+TRANSITIONS_MAX = 10_000  # kept for a caller that drains them (the daemon drains each result)
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -477,8 +495,35 @@ class DriftMonitor:
                                                                  float]]]] = {}
         # Baselines just completed (per device and target): the pooled statistic's start.
         self._warm: dict[str, dict[str, dict[ProbeSpec, tuple[list[float], float]]]] = {}
+        # Alarms raised and cleared, rebaselines: until a caller drains them (bounded).
+        self.transitions: deque[Transition] = deque(maxlen=TRANSITIONS_MAX)
         if path is not None and path.exists():
             self._load(path)
+
+    def drain(self) -> list[Transition]:
+        """The transitions since the last drain, oldest first (and forget them)."""
+        out = list(self.transitions)
+        self.transitions.clear()
+        return out
+
+    def _note(self, kind: str, uuid: str, target: str, spec: ProbeSpec | None, tr: Track,
+              now: float, since: float | None = None, **extra: Any) -> None:
+        """Record an alarm raised or cleared on ``tr`` (a probe's track, or with spec None
+        the device's pooled one): how far off (the latest measured / normal: the probe's
+        latest result, or the round's pooled ratio), the CUSUM and its threshold."""
+        ratio = tr.ratio if isinstance(tr, DeviceTrack) else \
+            (math.exp(tr.prev) if tr.ready() else None)
+        detail: dict[str, Any] = {"scope": "probe" if spec is not None else "pooled",
+                                  "ratio": _finite(ratio),
+                                  "shift": _finite(ratio - 1 if ratio is not None else None),
+                                  "z": _finite(tr.last_z), "cusum": _finite(tr.cusum),
+                                  "threshold": _finite(tr.h)}
+        if isinstance(tr, DeviceTrack):
+            detail["probes"] = tr.members
+        if kind == "clear":
+            detail["since"] = _finite(since)
+        detail.update(extra)
+        self.transitions.append(Transition(now, kind, uuid, target, spec, detail))
 
     def _update(self, tr: Track, value: float, floor: float, now: float, *, learn: bool,
                 gain: float = 1.0, phi_z: float | None = None,
@@ -494,7 +539,8 @@ class DriftMonitor:
                 gpu_model: str | None = None, plan: Collection[ProbeSpec] | None = None
                 ) -> list[Alarm]:
         """Feed one probe result; returns the alarms it raised: of the probe's own tracks,
-        and of the device's pooled statistic when it completed a round.
+        and of the device's pooled statistic when it completed a round. Alarms raised and
+        cleared are also kept in ``transitions`` (see ``drain``) for the record.
 
         A round is complete when every probe of ``plan`` (the device's sentinels) has
         reported, or, without a plan or when a probe failed, when a probe reports a second
@@ -524,8 +570,12 @@ class DriftMonitor:
             floor = max(self.p.min_scale,
                         sigma.get(target, 0.0) if self.use_model_sigma else 0.0)
             was_ready, values = tr.ready(), [*tr.baseline, r]
+            was, since = tr.drifting, tr.since
             if self._update(tr, r, floor, now, learn=_calm(ds)):
                 raised.append(Alarm(target, spec))
+                self._note("alarm", uuid, target, spec, tr, now)
+            elif was and not tr.drifting:
+                self._note("clear", uuid, target, spec, tr, now, since)
             if tr.ready() and not was_ready:
                 self._warm.setdefault(uuid, {}).setdefault(target, {})[spec] = \
                     (values, floor)
@@ -539,7 +589,10 @@ class DriftMonitor:
             if now - since >= self.p.accept_after_s:
                 logger.warning("device %s drifting for %.0f s: accepting its behaviour as the "
                                "new normal (drift.accept_after_s)", uuid, now - since)
-                self.rebaseline(uuid)
+                self.transitions.append(Transition(now, "rebaseline", uuid, None, None, {
+                    "phase": "automatic", "reason": "drift.accept_after_s",
+                    "drifting_s": now - since}))
+                self.rebaseline(uuid, now=now)
         return raised
 
     def end_round(self, uuid: str, now: float | None = None) -> list[Alarm]:
@@ -564,11 +617,17 @@ class DriftMonitor:
             if not ds.ready() and not ds.baseline and set(warm) == set(members):
                 ds.baseline = self._warm_start(uuid, target, warm)
             calm = not any(self.tracks[(uuid, spec, target)].drifting for spec in members)
-            if self._update(ds, float(z), 1.0, now, learn=calm, gain=float(gain),
-                            phi_z=DEVICE_PHI_Z, learn_z=DEVICE_LEARN_Z):
+            was, since = ds.drifting, ds.since
+            new = self._update(ds, float(z), 1.0, now, learn=calm, gain=float(gain),
+                               phi_z=DEVICE_PHI_Z, learn_z=DEVICE_LEARN_Z)
+            if new:
                 raised.append(Alarm(target, None))
             ds.members = len(members)
             ds.ratio = math.exp(float((w * d).sum() / w.sum()))
+            if new:
+                self._note("alarm", uuid, target, None, ds, now)
+            elif was and not ds.drifting:
+                self._note("clear", uuid, target, None, ds, now, since)
         return raised
 
     def _warm_start(self, uuid: str, target: str,
@@ -657,16 +716,25 @@ class DriftMonitor:
         return any(t.drifting for (u, _, _), t in self.tracks.items() if u == uuid)
 
     # ------------------------------------------------------------------ references
-    def rebaseline(self, uuid: str | None = None) -> int:
-        """Forget references (of one device, or all): the next results set new ones.
-        Returns the number of probe tracks reset."""
+    def rebaseline(self, uuid: str | None = None, now: float | None = None) -> int:
+        """Forget references (of one device, or all): the next results set new ones; the
+        alarms in progress end (noted as cleared by the rebaseline). Returns the number
+        of probe tracks reset."""
+        now = time.time() if now is None else now
         n = 0
         for key in list(self.tracks):
             if uuid is None or key[0] == uuid:
-                self.tracks[key] = Track(alarms=self.tracks[key].alarms)
+                old = self.tracks[key]
+                if old.drifting:
+                    self._note("clear", key[0], key[2], key[1], old, now, old.since,
+                               reason="rebaseline")
+                self.tracks[key] = Track(alarms=old.alarms)
                 n += 1
         for u, dev in self.devices.items():
             if uuid is None or u == uuid:
+                for t, d in dev.targets.items():
+                    if d.drifting:
+                        self._note("clear", u, t, None, d, now, d.since, reason="rebaseline")
                 dev.targets = {t: DeviceTrack(alarms=d.alarms) for t, d in dev.targets.items()}
                 self._seen.pop(u, None)
                 self._pending.pop(u, None)
@@ -786,6 +854,11 @@ def _v1_track(rec: Mapping[str, Any]) -> Track:
     tr.phi = float(_phi(np.array(var), np.array(cov)))
     tr.last, tr.prev = float(ref) + prev, prev
     return tr
+
+
+def _finite(v: Any) -> float | None:
+    """A number for the record: None where there is none (NaN, infinite)."""
+    return float(v) if v is not None and math.isfinite(v) else None
 
 
 def measured_of(m: Any) -> dict[str, float | None]:

@@ -3,7 +3,10 @@
 The protocol in one place. ``gemmd rebaseline`` (another process, maybe while the daemon
 runs) unflags the stored results taken while drifting and leaves a request file in the
 state directory; the daemon applies the request (drift references reset) within seconds,
-or at its next start, and removes the file.
+or at its next start, and removes the file. Both steps are recorded in the store as
+``rebaseline`` events (phase requested, then applied; per device, with how many results
+were unflagged), written with the unflagging, and the alarms the rebaseline ended as
+``clear`` events: the history survives the unflagging.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ REQUEST = "rebaseline.request"
 def request(state_dir: Path, store: Store, uuids: list[str] | None) -> int:
     """Unflag the stored results of ``uuids`` (None: every device) and ask the daemon to
     reset their drift references; returns how many stored results were unflagged."""
-    n = store.unflag(uuids)
+    n = store.unflag(uuids, event={"phase": "requested"})
     path = state_dir / REQUEST
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"devices": uuids, "ts": time.time()}))
@@ -48,8 +51,12 @@ def apply_request(state_dir: Path, state: State, store: Store) -> bool:
     with state.lock:
         for uuid in uuids if uuids is not None else [None]:
             state.drift.rebaseline(uuid)
-    store.unflag(uuids)
+        cleared = state.drift.drain()  # the alarms it ended (and any not yet recorded)
+    store.unflag(uuids, event={"phase": "applied"})
     path.unlink(missing_ok=True)
+    from gemmd.rounds import save_events, transition_event  # the daemon's side only
+
+    save_events(store, state, [transition_event(t) for t in cleared])
     logger.warning("rebaseline of %s: drift references reset; results taken while "
                    "drifting now count for training", ", ".join(uuids or ["all devices"]))
     return True

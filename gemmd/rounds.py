@@ -13,7 +13,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ import numpy as np
 
 from gemmd.config import Config
 from gemmd.devices.base import BusyLimits, Device
-from gemmd.drift import Alarm, measured_of, predicted_of
+from gemmd.drift import Alarm, Transition, measured_of, predicted_of
 from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
 from gemmd.model import Prediction
@@ -61,6 +61,31 @@ class _Results(list):
         super().append(r)
         if self.callback is not None:
             self.callback(r)
+
+
+def transition_event(t: Transition) -> dict[str, Any]:
+    """A drift transition as the store records it (an event)."""
+    return {"ts": t.ts, "device_uuid": t.uuid, "kind": t.kind, "target": t.target,
+            "probe": t.spec.name if t.spec is not None else None, "detail": t.detail}
+
+
+def save_events(store: Store, state: State, events: Iterable[Mapping[str, Any]]) -> bool:
+    """Record events (drift transitions, rebaselines, models); a write that fails is
+    counted in the state's store errors (the store logs a failing episode once), never
+    raised: the record must not stop what it records. True if written."""
+    events = list(events)
+    if not events:
+        return True
+    try:
+        store.add_events(events)
+        return True
+    except (sqlite3.Error, GemmdError) as e:
+        if not getattr(e, "reported", False):
+            logger.error("cannot record %s event(s): %s",
+                         ", ".join(sorted({str(ev.get("kind")) for ev in events})), e)
+        with state.lock:
+            state.store_errors_total += 1
+        return False
 
 
 def device_label(info: Any) -> str:
@@ -310,6 +335,7 @@ class DeviceRunner:
                 raised = drift.observe(info.uuid, spec, measured, predicted_of(pred),
                                        pred.sigma, model_version=version,
                                        gpu_model=info.name, plan=self.plan)
+            transitions = drift.drain()
             flagged = drift.device_drifting(info.uuid)
             found = [(a, copy.copy(drift.tracks.get((info.uuid, a.spec, a.target))
                                    if a.spec is not None else
@@ -322,8 +348,13 @@ class DeviceRunner:
         row = self._base_row(spec, kind)
         row.update(as_row(m))
         row.update(outcome=outcome, pred_runtime_s=pred.runtime_s, pred_power_w=pred.power_w,
-                   pred_energy_j=pred.energy_j, model_version=version, flagged=flagged)
+                   pred_energy_j=pred.energy_j, model_version=version, flagged=flagged,
+                   pred_runtime_lo=pred.runtime_lo, pred_runtime_hi=pred.runtime_hi,
+                   pred_power_lo=pred.power_lo, pred_power_hi=pred.power_hi,
+                   pred_energy_lo=pred.energy_lo, pred_energy_hi=pred.energy_hi)
         self._save(row)
+        # Alarms raised and cleared (the result's flag says only that the GPU is in alarm).
+        save_events(self.store, self.state, [transition_event(t) for t in transitions])
         with self.state.lock:
             ds = self._ds
             ds.probes_total[(kind, outcome)] += 1

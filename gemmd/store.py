@@ -1,4 +1,8 @@
-"""SQLite (WAL) history of probe results, devices and fitted models.
+"""SQLite (WAL) history of probe results, devices, fitted models and events.
+
+Events (the ``events`` table) are what happened to a device or the fleet: a drift alarm
+raised or cleared (per target, pooled or one probe's), a rebaseline, a model activated, a
+refit rejected. They are pruned with the daemon's probes.
 
 Each probe result is committed in its own transaction, so a killed daemon loses at most
 the probe in flight. The schema is versioned with ``PRAGMA user_version`` and migrated
@@ -27,7 +31,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,7 +52,12 @@ PROBE_COLUMNS = (
     "energy_j", "power_w", "power_sample_w", "check_ok", "check_error",
     "pred_runtime_s", "pred_power_w", "pred_energy_j", "model_version", "flagged", "error",
     "context", "batch", "cta_m", "cta_n", "cta_k", "stages", "alpha", "beta", "out_dtype",
+    "pred_runtime_lo", "pred_runtime_hi", "pred_power_lo", "pred_power_hi", "pred_energy_lo",
+    "pred_energy_hi",
 )
+# Each result's prediction interval (schema 3; NULL where the predictor gave none, and in
+# results stored before).
+INTERVAL_COLUMNS = PROBE_COLUMNS[-6:]
 
 _V1 = """
 CREATE TABLE probes (
@@ -108,9 +117,34 @@ ALTER TABLE probes ADD COLUMN beta REAL;
 ALTER TABLE probes ADD COLUMN out_dtype TEXT;
 """
 
+# Each result's prediction interval, and what happened to the fleet: drift alarms raised
+# and cleared, rebaselines, models activated (a result's ``flagged`` says only that its GPU
+# was in alarm, and a rebaseline unflags it; the events keep the history).
+_V3 = """
+ALTER TABLE probes ADD COLUMN pred_runtime_lo REAL;
+ALTER TABLE probes ADD COLUMN pred_runtime_hi REAL;
+ALTER TABLE probes ADD COLUMN pred_power_lo REAL;
+ALTER TABLE probes ADD COLUMN pred_power_hi REAL;
+ALTER TABLE probes ADD COLUMN pred_energy_lo REAL;
+ALTER TABLE probes ADD COLUMN pred_energy_hi REAL;
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,                 -- unix seconds
+    device_uuid TEXT,                 -- NULL: no one device (a model, every device)
+    kind TEXT NOT NULL,               -- alarm | clear | rebaseline | model | refit_rejected
+    target TEXT,                      -- runtime | power | energy (alarm, clear)
+    probe TEXT,                       -- the probe's name, NULL: the device's probes pooled
+    detail TEXT NOT NULL DEFAULT '{}' -- JSON: ratio, shift, phase, version, rows...
+);
+CREATE INDEX events_ts ON events(ts);
+CREATE INDEX events_device_ts ON events(device_uuid, ts);
+"""
+
 # Index i holds the script that migrates from version i to i + 1.
-MIGRATIONS: Sequence[str] = (_V1, _V2)
+MIGRATIONS: Sequence[str] = (_V1, _V2, _V3)
 SCHEMA_VERSION = len(MIGRATIONS)
+
+EVENT_COLUMNS = ("ts", "device_uuid", "kind", "target", "probe", "detail")
 
 # What a store must hold to be usable (every migration applied).
 REQUIRED_COLUMNS = {
@@ -118,7 +152,18 @@ REQUIRED_COLUMNS = {
     "devices": ("uuid", "idx", "name", "backend", "info", "first_seen", "last_seen"),
     "models": ("version", "created", "kind", "path", "n_samples", "data_hash", "meta",
                "active"),
+    "events": ("id", *EVENT_COLUMNS),
 }
+
+# What a report reads of a sentinel result (Store.sentinel_history; report/readonly.py),
+# the interval columns aside (absent from a store of schema 2, read as NULL there).
+SENTINEL_COLUMNS = ("id", "ts", "m", "n", "k", "dtype", "kernel", "tile", "layout", "outcome",
+                    "runtime_s", "power_w", "energy_j", "pred_runtime_s", "pred_power_w",
+                    "pred_energy_j", "model_version", "flagged", "context")
+EVENT_KINDS = ("alarm", "clear", "rebaseline", "model", "refit_rejected")
+# The newest events kept (besides store.retention_days): alarms are rare, but a bound is a
+# bound.
+MAX_EVENTS = 100_000
 
 # What a model fit reads from a probe row (no context, no prediction columns), and the
 # configuration that makes two rows repeats of one another (features.CONFIG_KEYS + device).
@@ -521,15 +566,47 @@ class Store:
         self._write("activate model", lambda db: db.execute(
             "UPDATE models SET active = (version = ?)", (version,)))
 
-    def unflag(self, uuids: Sequence[str] | None = None) -> int:
-        """Make results taken while drifting usable for training again (rebaseline)."""
-        if uuids is None:
-            return self._write("unflag", lambda db: db.execute(
-                "UPDATE probes SET flagged = 0 WHERE flagged = 1").rowcount)
-        marks = ", ".join("?" for _ in uuids)
-        return self._write("unflag", lambda db: db.execute(
-            f"UPDATE probes SET flagged = 0 WHERE flagged = 1 AND device_uuid IN ({marks})",
-            list(uuids)).rowcount)
+    def unflag(self, uuids: Sequence[str] | None = None, *,
+               event: Mapping[str, Any] | None = None) -> int:
+        """Make results taken while drifting usable for training again (rebaseline).
+
+        ``event``: the rebaseline's detail (its phase...), recorded in the same
+        transaction as a ``rebaseline`` event per device (one of no device when ``uuids``
+        is None: every device) with how many of its results were unflagged."""
+        now = time.time()
+
+        def unflag(db: sqlite3.Connection) -> int:
+            if uuids is None:
+                n = db.execute("UPDATE probes SET flagged = 0 WHERE flagged = 1").rowcount
+                if event is not None:
+                    _insert_events(db, [{"ts": now, "kind": "rebaseline", "detail": {
+                        **event, "devices": "all", "unflagged": n}}])
+                return n
+            total = 0
+            for u in dict.fromkeys(uuids):
+                n = db.execute("UPDATE probes SET flagged = 0 WHERE flagged = 1 AND "
+                               "device_uuid = ?", (u,)).rowcount
+                total += n
+                if event is not None:
+                    _insert_events(db, [{"ts": now, "device_uuid": u, "kind": "rebaseline",
+                                         "detail": {**event, "devices": list(uuids),
+                                                    "unflagged": n}}])
+            return total
+
+        return self._write("unflag", unflag)
+
+    def add_event(self, kind: str, *, device_uuid: str | None = None,
+                  target: str | None = None, probe: str | None = None,
+                  detail: Mapping[str, Any] | None = None, ts: float | None = None) -> int:
+        """Record one event (EVENT_KINDS): what happened to a device or the fleet."""
+        return self.add_events([{"ts": ts, "device_uuid": device_uuid, "kind": kind,
+                                 "target": target, "probe": probe, "detail": detail}])[0]
+
+    def add_events(self, events: Iterable[Mapping[str, Any]]) -> list[int]:
+        """Record events (dicts of EVENT_COLUMNS; ``ts`` defaults to now, ``detail`` is
+        JSON-encoded) in one transaction: all or nothing."""
+        rows = list(events)
+        return self._write("record events", lambda db: _insert_events(db, rows))
 
     def prune(self, retention_days: float | None, max_rows: int | None,
               now: float | None = None, sources: Sequence[str] = (DAEMON_SOURCE,)) -> int:
@@ -552,6 +629,12 @@ class Store:
                         "DELETE FROM probes WHERE id IN (SELECT id FROM probes WHERE source = ? "
                         "ORDER BY ts DESC, id DESC LIMIT -1 OFFSET ?)",
                         (source, int(max_rows))).rowcount
+            if DAEMON_SOURCE in sources:  # the daemon's events go with its probes
+                if retention_days is not None:
+                    db.execute("DELETE FROM events WHERE ts < ?",
+                               (now - retention_days * 86400,))
+                db.execute("DELETE FROM events WHERE id IN (SELECT id FROM events ORDER BY "
+                           "ts DESC, id DESC LIMIT -1 OFFSET ?)", (MAX_EVENTS,))
             return n
 
         return self._write("prune", prune)
@@ -641,6 +724,27 @@ class Store:
             "AND kind = 'sentinel' GROUP BY device_uuid, m, n, k, dtype, kernel, tile, layout) "
             "last ON p.id = last.id ORDER BY p.device_index, p.id", (source,))
 
+    def sentinel_history(self, uuid: str, since: float | None = None,
+                         until: float | None = None, source: str = DAEMON_SOURCE
+                         ) -> list[dict[str, Any]]:
+        """A device's sentinel results in [since, until] (every outcome, flagged or not),
+        oldest first: SENTINEL_COLUMNS and INTERVAL_COLUMNS."""
+        return self._query(*sentinels_sql(uuid, since, until, source, intervals=True))
+
+    def events(self, since: float | None = None, until: float | None = None,
+               uuids: Sequence[str] | None = None, kinds: Sequence[str] | None = None
+               ) -> list[dict[str, Any]]:
+        """Events in [since, until], oldest first, ``detail`` decoded. ``uuids``: those
+        of these devices and those of no one device (a model, a rebaseline of every
+        device); ``kinds``: of these kinds only."""
+        return self._query(*events_sql(since, until, uuids, kinds))
+
+    def last_events(self, kind: str) -> list[dict[str, Any]]:
+        """The newest event of ``kind`` per device (device_uuid None: of no one device)."""
+        return self._query("SELECT e.* FROM events e JOIN (SELECT MAX(id) AS id FROM events "
+                           "WHERE kind = ? GROUP BY device_uuid) last ON e.id = last.id "
+                           "ORDER BY e.device_uuid", (kind,))
+
     def counts(self) -> list[dict[str, Any]]:
         return self._query("SELECT source, device_uuid, device_name, outcome, COUNT(*) AS n, "
                            "MAX(ts) AS last FROM probes GROUP BY source, device_uuid, outcome "
@@ -668,6 +772,71 @@ class Store:
                 self._db.close()
             except sqlite3.Error as e:  # closing must never take the shutdown path down
                 logger.warning("store %s: close failed: %s", self.path, e)
+
+
+def sentinels_sql(uuid: str, since: float | None, until: float | None, source: str, *,
+                  intervals: bool) -> tuple[str, tuple[Any, ...]]:
+    """The query of a device's sentinel results (Store.sentinel_history, and the reports'
+    read-only connection, which reads a store of schema 2 too: ``intervals`` False reads
+    the interval columns as NULL)."""
+    cols = list(SENTINEL_COLUMNS) + [c if intervals else f"NULL AS {c}"
+                                     for c in INTERVAL_COLUMNS]
+    where = ["source = ?", "kind = 'sentinel'", "device_uuid = ?"]
+    args: list[Any] = [source, uuid]
+    if since is not None:
+        where.append("ts >= ?")
+        args.append(since)
+    if until is not None:
+        where.append("ts <= ?")
+        args.append(until)
+    return (f"SELECT {', '.join(cols)} FROM probes WHERE {' AND '.join(where)} "
+            "ORDER BY ts, id", tuple(args))
+
+
+def events_sql(since: float | None, until: float | None, uuids: Sequence[str] | None,
+               kinds: Sequence[str] | None) -> tuple[str, tuple[Any, ...]]:
+    """The query of events (Store.events, and the reports' read-only connection)."""
+    where: list[str] = []
+    args: list[Any] = []
+    if since is not None:
+        where.append("ts >= ?")
+        args.append(since)
+    if until is not None:
+        where.append("ts <= ?")
+        args.append(until)
+    if uuids is not None:
+        where.append(f"(device_uuid IS NULL OR device_uuid IN "
+                     f"({', '.join('?' for _ in uuids)}))")
+        args.extend(uuids)
+    if kinds is not None:
+        where.append(f"kind IN ({', '.join('?' for _ in kinds)})")
+        args.extend(kinds)
+    return ("SELECT id, " + ", ".join(EVENT_COLUMNS) + " FROM events"
+            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY ts, id",
+            tuple(args))
+
+
+def _insert_events(db: sqlite3.Connection, rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    now = time.time()
+    ids = []
+    for r in rows:
+        if r.get("kind") not in EVENT_KINDS:
+            raise ValueError(f"not an event kind: {r.get('kind')!r}")
+        ts = r.get("ts")
+        ids.append(int(db.execute(  # type: ignore[arg-type]  # lastrowid after an INSERT
+            "INSERT INTO events (ts, device_uuid, kind, target, probe, detail) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (now if ts is None else float(ts), r.get("device_uuid"), r["kind"],
+             r.get("target"), r.get("probe"),
+             json.dumps(dict(r.get("detail") or {}), default=_json_default))).lastrowid))
+    return ids
+
+
+def _json_default(v: Any) -> Any:
+    """numpy scalars as numbers; anything else as text."""
+    if isinstance(v, np.generic):
+        return v.item()
+    return str(v)
 
 
 def _quota(counts: np.ndarray, cap: int) -> int:
@@ -744,7 +913,7 @@ def _encode(col: str, v: Any) -> Any:
 
 
 def _decode(row: dict[str, Any]) -> dict[str, Any]:
-    for key in ("context", "info", "meta"):
+    for key in ("context", "info", "meta", "detail"):
         if isinstance(row.get(key), str):
             try:
                 row[key] = json.loads(row[key])

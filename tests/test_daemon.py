@@ -8,6 +8,7 @@ import time
 
 from gemmd.config import Config, FakeConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
 from gemmd.daemon import Daemon
+from gemmd.store import Store
 
 
 def test_a_hung_device_in_thread_isolation_does_not_log_every_interval(tmp_path, caplog):
@@ -100,5 +101,23 @@ def test_the_refit_job_records_each_outcome_in_the_state_once(tmp_path):
                            ("failed", 0)):
             assert g("gemmd_model_refits_total", {"outcome": outcome}) == n
         assert g("gemmd_model_last_refit_timestamp_seconds") == model.last_refit_ts > 0
+        # For the record, in the store's events: the model activated, the refit rejected.
+        (activated,) = d.store.events(kinds=("model",))
+        assert activated["device_uuid"] is None
+        det = activated["detail"]
+        assert (det["version"], det["kind"]) == (model.version, "random_forest")
+        assert det["rows"] == model.n_samples > 0 and det["reason"].startswith("refit accepted")
+        (rejected,) = d.store.events(kinds=("refit_rejected",))
+        assert rejected["detail"]["version"] == model.version
+        assert "no probes since" in rejected["detail"]["reason"]
     finally:
         d.stop()
+    # A restart loads the same model: no second model event.
+    d = _run_for(Daemon(cfg), 0.5)
+    assert d.state.model.version == model.version
+    store = Store(tmp_path / "gemmd.db")
+    try:
+        assert [e["detail"]["version"] for e in store.events(kinds=("model",))] == \
+            [model.version]
+    finally:
+        store.close()

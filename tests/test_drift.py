@@ -351,6 +351,67 @@ def test_accept_after_s_takes_the_new_behaviour_as_normal():
     assert not mon.device_drifting("g")
 
 
+def test_each_alarm_raised_and_cleared_is_kept_for_the_record_with_its_shift():
+    """The monitor's transitions (which the daemon stores as events): one per alarm raised,
+    of the probes' own tracks and the pooled one, as observe returned them, with how far
+    off; one per alarm cleared, with since when."""
+    rng = np.random.default_rng(21)
+    mon = DriftMonitor(DriftConfig(**P, targets=("runtime",)))
+    for t in range(40):
+        _round(mon, "g", rng.normal(0, 0.003, 2), t, specs=SPECS[:2])
+    assert mon.drain() == []
+    raised = []
+    for t in range(40, 45):
+        raised += _round(mon, "g", math.log(1.06) + rng.normal(0, 0.003, 2), t,
+                         specs=SPECS[:2])
+    assert mon.device_drifting("g") and {a.spec for a in raised} >= {None}
+    got = mon.drain()
+    assert [(x.kind, x.target, x.spec) for x in got] == \
+        [("alarm", a.target, a.spec) for a in raised]
+    assert mon.drain() == []  # drained: each transition given once
+    for x in got:
+        assert x.uuid == "g" and 40 <= x.ts < 45
+        assert x.detail["scope"] == ("pooled" if x.spec is None else "probe")
+        assert x.detail["ratio"] == pytest.approx(1.06, abs=0.01)
+        assert x.detail["shift"] == pytest.approx(0.06, abs=0.01)
+        assert x.detail["cusum"] > x.detail["threshold"] > 0
+    assert [x.detail["probes"] for x in got if x.spec is None] == [2]
+    for t in range(45, 200):  # back to normal until every alarm cleared
+        _round(mon, "g", rng.normal(0, 0.003, 2), t, specs=SPECS[:2])
+        if not mon.device_drifting("g"):
+            break
+    assert not mon.device_drifting("g")
+    cleared = mon.drain()
+    assert sorted((x.kind, str(x.spec)) for x in cleared) == \
+        sorted(("clear", str(a.spec)) for a in raised)
+    for x in cleared:
+        start = next(y.ts for y in got if y.spec == x.spec)
+        assert x.detail["since"] == start < x.ts and "reason" not in x.detail
+
+
+def test_a_rebaseline_ends_the_alarms_in_progress_for_the_record():
+    mon = DriftMonitor(DriftConfig(**P, accept_after_s=3600, targets=("runtime",)))
+    base, slow, sig = {"runtime": 1.0}, {"runtime": 1.1}, {"runtime": 0.02}
+    for t in range(5):
+        mon.observe("g", SPEC, base, base, sig, now=t)
+    for t in range(5, 10):
+        mon.observe("g", SPEC, slow, base, sig, now=t)
+    drifting = {s for (_, s, _), tr in mon.tracks.items() if tr.drifting} | \
+        ({None} if mon.devices["g"].targets["runtime"].drifting else set())
+    assert drifting and [x.kind for x in mon.drain()] == ["alarm"] * len(drifting)
+    # drift.accept_after_s: an automatic rebaseline, then each alarm ended by it.
+    mon.observe("g", SPEC, slow, base, sig, now=4000)
+    got = mon.drain()
+    assert got[0].kind == "rebaseline" and got[0].detail["phase"] == "automatic"
+    assert got[0].detail["drifting_s"] >= 3600 and got[0].uuid == "g"
+    assert {x.spec for x in got[1:]} == drifting
+    assert all(x.kind == "clear" and x.detail["reason"] == "rebaseline" and x.ts == 4000
+               for x in got[1:])
+    # An operator's rebaseline of a device in control ends nothing.
+    mon.rebaseline("g")
+    assert mon.drain() == []
+
+
 def test_damaged_state_file_starts_over(tmp_path, caplog):
     path = tmp_path / "drift.json"
     path.write_text("{not json")
@@ -477,15 +538,82 @@ def test_daemon_flags_a_slowed_device_only_and_rebaseline_unflags(tmp_path):
             r"drift: runtime in alarm over its 2 probes pooled, x1\.0\d\d of normal", gpu1
         ), gpu1
         assert "last probe 0m ago" not in gpu1 and re.search(r"last probe \d+s ago", gpu1)
+        # ... and its last alarm, from the store's events.
+        assert re.search(r"last drift alarm: runtime on (its probes pooled|blas-\w+-nn-"
+                         r"4096x4096x4096), x1\.0\d\d of normal", gpu1), gpu1
+        alarms = d.store.events(kinds=("alarm",))
         # The CLI's rebaseline: a request file and unflagged rows; the daemon applies it.
         r = subprocess.run([sys.executable, "-m", "gemmd", "rebaseline", "--state-dir",
                             str(tmp_path), "--device", "1"], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert json.loads((tmp_path / REBASELINE_REQUEST).read_text())["devices"] == [uuid1]
         assert not [r for r in d.store.probes(include_flagged=True) if r["flagged"]]
+        # Recorded: the request with the results it unflagged; the alarms it accepted are
+        # still in the store's events although their results are unflagged.
+        (req,) = d.store.events(kinds=("rebaseline",))
+        assert req["device_uuid"] == uuid1 and req["detail"]["phase"] == "requested"
+        assert req["detail"]["unflagged"] == len(flagged)
+        assert d.store.events(kinds=("alarm",)) == alarms and alarms
+        drifting = {(t, s.name) for (u, s, t), tr in d.state.drift.tracks.items()
+                    if u == uuid1 and tr.drifting} | \
+            {(t, None) for t, x in d.state.drift.devices[uuid1].targets.items() if x.drifting}
         d.apply_rebaseline_request()
         assert not d.state.drift.device_drifting(uuid1)
         assert not (tmp_path / REBASELINE_REQUEST).exists()
+        applied = d.store.events(kinds=("rebaseline",))[-1]
+        assert applied["detail"] == {"phase": "applied", "devices": [uuid1], "unflagged": 0}
+        ended = d.store.events(kinds=("clear",))
+        assert {(e["target"], e["probe"]) for e in ended} == drifting
+        assert all(e["device_uuid"] == uuid1 and e["detail"]["reason"] == "rebaseline"
+                   for e in ended)
+    finally:
+        d.stop()
+
+
+def test_the_rounds_store_each_alarm_and_its_clear_as_events(tmp_path):
+    """A slowed GPU: each alarm raised is an event (which GPU, target, pooled or which
+    probe, how far off), written by the round that raised it; back to normal speed, each
+    clears, recorded too. The results flagged are those taken between."""
+    from gemmd.daemon import Daemon
+
+    d = Daemon(_cfg(tmp_path))
+    try:
+        _fit_and_reference(d)
+        slowed = d.runners[1]
+        uuid1 = slowed.device.info.uuid
+        plan = {s.name for s in slowed.plan}
+        slowed.device.cfg = FakeDeviceConfig(slowdown_factor=1.05)
+        for _ in range(4):
+            for r in d.runners:
+                r.run_round()
+        assert d.state.drift.device_drifting(uuid1)
+        alarms = d.store.events(kinds=("alarm",))
+        assert alarms and {e["device_uuid"] for e in alarms} == {uuid1}
+        assert "runtime" in {e["target"] for e in alarms}
+        for e in alarms:
+            assert e["detail"]["scope"] == ("pooled" if e["probe"] is None else "probe")
+            assert e["probe"] is None or e["probe"] in plan
+            if e["target"] == "runtime":
+                assert e["detail"]["ratio"] == pytest.approx(1.05, abs=0.02)
+                assert e["detail"]["shift"] == pytest.approx(0.05, abs=0.02)
+        flagged = [r for r in d.store.probes(include_flagged=True) if r["flagged"]]
+        assert flagged and min(r["ts"] for r in flagged) >= alarms[0]["ts"]
+        assert d.store.events(kinds=("clear",)) == []
+        slowed.device.cfg = FakeDeviceConfig()
+        for _ in range(40):
+            for r in d.runners:
+                r.run_round()
+            if not d.state.drift.device_drifting(uuid1):
+                break
+        assert not d.state.drift.device_drifting(uuid1)
+        clears = d.store.events(kinds=("clear",))
+        for a in alarms:  # each alarm raised was cleared after it, by its own track
+            assert any((c["target"], c["probe"]) == (a["target"], a["probe"]) and
+                       c["detail"]["since"] == a["ts"] < c["ts"] for c in clears), a
+        assert all("reason" not in c["detail"] for c in clears)
+        last_clear = max(c["ts"] for c in clears)
+        assert all(r["ts"] < last_clear for r in d.store.probes(include_flagged=True)
+                   if r["flagged"])
     finally:
         d.stop()
 

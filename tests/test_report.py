@@ -223,11 +223,15 @@ def _daemon_cfg(state: Path) -> Config:
         fake=FakeConfig(devices=(FakeDeviceConfig(), FakeDeviceConfig())))
 
 
-def fill_store(state: Path, rounds_after_fit: int) -> tuple[Config, list[str]]:
+def fill_store(state: Path, rounds_after_fit: int, rebaseline_rounds: int | None = None
+               ) -> tuple[Config, list[str]]:
     """The daemon's own rounds on two fake H100s: 8 rounds, a fit (references taken
     under it), ``rounds_after_fit`` rounds, then GPU 1 slowed by 8% for 5 rounds (a drift
-    alarm: its results flagged, its clocks show a thermal slowdown). Returns the config
-    and the devices' UUIDs."""
+    alarm: its results flagged, its clocks show a thermal slowdown). With
+    ``rebaseline_rounds``: then `gemmd rebaseline --device 1` (its protocol: results
+    unflagged, the request applied by the daemon) and that many rounds more. Returns the
+    config and the devices' UUIDs."""
+    from gemmd import rebaseline
     from gemmd.daemon import Daemon
 
     cfg = _daemon_cfg(state)
@@ -247,6 +251,12 @@ def fill_store(state: Path, rounds_after_fit: int) -> tuple[Config, list[str]]:
                 r.run_round()
         uuids = [r.device.info.uuid for r in d.runners]
         assert d.state.drift.device_drifting(uuids[1])
+        if rebaseline_rounds is not None:
+            assert rebaseline.request(state, d.store, [uuids[1]]) > 0
+            d.apply_rebaseline_request()
+            for _ in range(rebaseline_rounds):
+                for r in d.runners:
+                    r.run_round()
         with d.state.lock:
             d.state.drift.save()
     finally:
@@ -304,6 +314,136 @@ def test_fleet_report_from_the_daemons_store(tmp_path):
     assert "rests on fewer than" not in html
     assert ">W<" in html and (">ms<" in html or ">µs<" in html)
     assert "What the store records, and what it does not" in html
+    # The alarm from the store's events: raised on the slowed GPU's time plots and in its
+    # list of events; none on the other. Every interval drawn was stored with its result.
+    assert "drift alarm raised" in svgs(gpu1)[0] and "in drift alarm" in svgs(gpu1)[0]
+    assert "drift alarm raised" not in "".join(svgs(gpu0))
+    assert "<h3>Drift alarms and rebaselines in the window</h3>" in gpu1
+    assert "still in alarm</span> at the window's end" in gpu1
+    assert "No drift alarm or rebaseline recorded for this GPU in the window" in gpu0
+    assert re.search(r"(\d[\d,]*) of \1 \(result, target\) predictions with their stored "
+                     r"interval, 0 re-computed", html)
+    assert "Rebaselines are not recorded" not in html
+
+
+def test_fleet_report_marks_the_alarm_and_the_rebaseline_that_unflagged_its_results(
+        tmp_path):
+    """A rebaseline unflags the results taken in alarm: the alarm still shows (from the
+    store's events), where it began and the rebaseline that ended it marked on the time
+    plots and listed."""
+    state = tmp_path / "state"
+    cfg, (uuid0, uuid1) = fill_store(state, rounds_after_fit=10, rebaseline_rounds=6)
+    out = report.write_fleet(tmp_path / "fleet.html", state_dir=state, drift_cfg=cfg.drift,
+                             model_cfg=cfg.model)
+    html = out.read_text(encoding="utf-8")
+    assert_self_contained(html)
+    gpu1, gpu0 = html.split("<h2 id='gpu-")[1:3]
+    assert gpu1.startswith(uuid1)  # it had an alarm in the window: still first
+    fleet = html.split("<h2>Fleet</h2>")[1].split("</table>")[0]
+    rows = re.findall(r"<tr>(.*?)</tr>", fleet)[1:]
+    assert re.search(r"[1-3] alarm\(s\) raised</span>, 1 rebaseline\(s\)", rows[1])
+    assert "none" in rows[0]
+    assert re.findall(r"<td>(\d+)</td>", rows[1])[1] == "0"  # flagged: none left
+    ratio = svgs(gpu1)[0]
+    assert "taken in drift alarm (flagged)" not in ratio  # unflagged, yet:
+    for mark in ("drift alarm raised", "in drift alarm", "rebaseline", "×1.0"):
+        assert mark in ratio, mark
+    assert "drift alarm cleared" not in ratio  # ended by the rebaseline, not cleared
+    assert "rebaseline" not in "".join(svgs(gpu0))
+    # Listed: the alarm per target (runtime at least), each ended by the rebaseline, and
+    # the rebaseline with the results it unflagged.
+    events = gpu1.split("<h3>Drift alarms and rebaselines in the window</h3>")[1]
+    events = events.split("</table>")[0]
+    rows = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td class=l>(.*?)</td>", r)]
+            for r in re.findall(r"<tr>(.*?)</tr>", events)[1:]]
+    alarms, last = rows[:-1], rows[-1]
+    assert alarms and {r[1] for r in alarms} == {"drift alarm"}
+    assert "runtime" in {r[2] for r in alarms}
+    assert all("ended by the rebaseline" in r[4] for r in alarms)
+    runtime = next(r for r in alarms if r[2] == "runtime")
+    assert re.search(r"^×1\.0[5-9]\d of normal when raised", runtime[4])
+    assert last[1] == "rebaseline" and "drift references reset by the daemon" in last[4]
+    n = int(re.search(r"for this GPU: (\d+) result\(s\) taken while drifting unflagged",
+                      last[4]).group(1))
+    from gemmd.store import Store
+
+    store = Store(state / "gemmd.db")
+    try:  # the results it unflagged: GPU 1's, from the first alarm to the request
+        began = store.events(kinds=("alarm",))[0]["ts"]
+        asked = store.events(kinds=("rebaseline",))[0]["ts"]
+        taken = [r for r in store.probes(device_uuid=uuid1, outcome=None)
+                 if began <= r["ts"] <= asked]
+    finally:
+        store.close()
+    assert n == len(taken) >= 3
+    assert "No drift alarm or rebaseline recorded for this GPU in the window" in gpu0
+    models = html.split("<h2>Models in the window</h2>")[1].split("</table>")[0]
+    assert "model activated" in models and ">rf-1<" in models
+    notes = html.split("What the store records, and what it does not")[1]
+    assert "Rebaselines are not recorded" not in notes and "so an alarm a rebaseline " \
+        "accepted still shows" in notes
+
+
+def test_fleet_report_reads_a_schema_2_store_as_it_is(tmp_path):
+    """A store the daemon has not migrated yet (schema 2): read-only, the report reads it
+    as it is: no events (said), alarms by their flagged results, every interval
+    re-computed with the model that predicted it, equal to what the daemon stores now."""
+    import sqlite3
+
+    from test_store import make_v2_store
+
+    from gemmd.report import fleet, readonly
+
+    state = tmp_path / "state"
+    cfg, uuids = fill_store(state, rounds_after_fit=10)
+    old = tmp_path / "old"
+    old.mkdir()
+    v2 = make_v2_store(old / "gemmd.db")
+    try:
+        have = [r[1] for r in v2.execute("PRAGMA table_info(probes)")]
+        v2.execute("ATTACH DATABASE ? AS new", (str(state / "gemmd.db"),))
+        for table, cols in (("probes", have), ("devices", ["*"]), ("models", ["*"])):
+            v2.execute(f"INSERT INTO main.{table} SELECT {', '.join(cols)} FROM new.{table}")
+        v2.commit()
+        v2.execute("DETACH DATABASE new")
+    finally:
+        v2.close()
+    (old / "drift.json").write_bytes((state / "drift.json").read_bytes())
+    before = digest(old)
+    html = report.write_fleet(tmp_path / "old.html", state_dir=old, drift_cfg=cfg.drift,
+                              model_cfg=cfg.model).read_text(encoding="utf-8")
+    assert {k: v for k, v in digest(old).items() if k in before} == before
+    with sqlite3.connect(old / "gemmd.db") as con:
+        assert con.execute("PRAGMA user_version").fetchone()[0] == 2  # not migrated
+    assert_self_contained(html)
+    assert "This store has schema 2, from an older gemmd" in html
+    assert "are recorded from schema 3 on; this store is older" in html
+    gpu1 = html.split("<h2 id='gpu-")[1]
+    assert gpu1.startswith(uuids[1]) and "taken in drift alarm (flagged)" in gpu1
+    assert "<h3>Drift alarms and rebaselines" not in html
+    assert re.search(r"with their stored interval, [1-9][\d,]* re-computed, 0 without",
+                     html)
+    # The intervals re-computed from the model files are those the daemon stored.
+    for uuid in uuids:
+        series = {}
+        for where in (state, old):
+            db = where / readonly.DB_NAME
+            con = readonly.connect(db)
+            try:
+                devs = {d["uuid"]: d for d in readonly.devices(con, db)}
+                g = fleet.GpuData(devs[uuid], readonly.device_info(devs[uuid]))
+                rows = readonly.sentinels(con, db, uuid, 0.0, float("inf"))
+                series[where] = fleet._series(g, rows, fleet._Bands(readonly.models(con, db),
+                                                                    cfg.model))
+            finally:
+                con.close()
+        for a, b in zip(series[state], series[old], strict=True):
+            for t in ("runtime", "power", "energy"):
+                known = np.isfinite(a.lo[t])
+                assert known.sum() > 0 or t != "runtime"
+                assert np.array_equal(known, np.isfinite(b.lo[t]))
+                assert b.lo[t][known] == pytest.approx(a.lo[t][known], rel=1e-9)
+                assert b.hi[t][known] == pytest.approx(a.hi[t][known], rel=1e-9)
 
 
 def test_fleet_report_warns_on_few_results_and_selects_devices(tmp_path):

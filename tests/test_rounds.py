@@ -71,6 +71,38 @@ def test_round_runs_sentinels_then_exploration_and_stores_all(env):
     assert ds.context["sm_clock_hz"] > 0 and ds.up
 
 
+def test_each_result_is_stored_with_its_prediction_interval(env):
+    """The interval the predictor gave, per target, stored with the point: the roofline's
+    (runtime only) before a fit, the forest's (every target) after."""
+    from gemmd.features import spec_of
+
+    make, store, _ = env
+    cfg = _cfg()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, min_samples=10,
+                                                             n_estimators=10))
+    runner, dev = make(cfg=cfg)
+    runner.run_round()
+    rows = store.probes()
+    assert rows and all(r["model_version"] == "roofline" for r in rows)
+    for r in rows:
+        assert r["pred_runtime_lo"] < r["pred_runtime_s"] < r["pred_runtime_hi"]
+        assert r["pred_power_lo"] is r["pred_power_hi"] is r["pred_energy_lo"] is None
+    for _ in range(2):
+        runner.run_round()
+    assert runner.registry.refit().outcome == "accepted"
+    runner.run_round()
+    version = runner.registry.current.version
+    fitted = [r for r in store.probes() if r["model_version"] == version]
+    assert len(fitted) == 6
+    for r in fitted:
+        (p,), _ = runner.registry.predict([spec_of(r)], [dev.info])
+        for t, point in (("runtime", "pred_runtime_s"), ("power", "pred_power_w"),
+                         ("energy", "pred_energy_j")):
+            lo, hi = r[f"pred_{t}_lo"], r[f"pred_{t}_hi"]
+            assert lo < r[point] < hi
+            assert (lo, hi) == pytest.approx((getattr(p, f"{t}_lo"), getattr(p, f"{t}_hi")))
+
+
 def test_correctness_checked_every_nth_probe_of_a_spec(env):
     make, store, _ = env
     runner, _ = make()

@@ -11,10 +11,11 @@ import textwrap
 from contextlib import closing
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gemmd.errors import StoreError
-from gemmd.store import SCHEMA_VERSION, Store, StoreWriteError
+from gemmd.store import INTERVAL_COLUMNS, SCHEMA_VERSION, Store, StoreWriteError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -455,3 +456,142 @@ def _kill_after_commit(script: str) -> None:
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+# ---------------------------------------------------------------- schema 3: events, intervals
+
+# A store as gemmd wrote it at schema 2 (gemmd/store.py's _V1 and _V2 before schema 3).
+V2_SCHEMA = """
+CREATE TABLE probes (
+    id INTEGER PRIMARY KEY, ts REAL NOT NULL, source TEXT NOT NULL, kind TEXT NOT NULL,
+    device_uuid TEXT NOT NULL, device_index INTEGER, device_name TEXT NOT NULL,
+    backend TEXT NOT NULL, m INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,
+    dtype TEXT NOT NULL, kernel TEXT NOT NULL, tile INTEGER NOT NULL, layout TEXT NOT NULL,
+    outcome TEXT NOT NULL, iterations INTEGER, runtime_s REAL, runtime_mean_s REAL,
+    runtime_min_s REAL, runtime_p90_s REAL, runtime_cv REAL, window_s REAL, energy_j REAL,
+    power_w REAL, power_sample_w REAL, check_ok INTEGER, check_error REAL,
+    pred_runtime_s REAL, pred_power_w REAL, pred_energy_j REAL, model_version TEXT,
+    flagged INTEGER NOT NULL DEFAULT 0, error TEXT, context TEXT);
+CREATE INDEX probes_device_ts ON probes(device_uuid, ts);
+CREATE INDEX probes_source_ts ON probes(source, ts);
+CREATE TABLE devices (
+    uuid TEXT PRIMARY KEY, idx INTEGER, name TEXT NOT NULL, backend TEXT NOT NULL,
+    info TEXT NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL);
+CREATE TABLE models (
+    version INTEGER PRIMARY KEY AUTOINCREMENT, created REAL NOT NULL, kind TEXT NOT NULL,
+    path TEXT NOT NULL, n_samples INTEGER NOT NULL, data_hash TEXT NOT NULL,
+    meta TEXT NOT NULL, active INTEGER NOT NULL DEFAULT 0);
+ALTER TABLE probes ADD COLUMN batch INTEGER;
+ALTER TABLE probes ADD COLUMN cta_m INTEGER;
+ALTER TABLE probes ADD COLUMN cta_n INTEGER;
+ALTER TABLE probes ADD COLUMN cta_k INTEGER;
+ALTER TABLE probes ADD COLUMN stages INTEGER;
+ALTER TABLE probes ADD COLUMN alpha REAL;
+ALTER TABLE probes ADD COLUMN beta REAL;
+ALTER TABLE probes ADD COLUMN out_dtype TEXT;
+PRAGMA user_version = 2;
+"""
+
+
+def make_v2_store(path: Path) -> sqlite3.Connection:
+    """An empty store of schema 2, in WAL mode as gemmd leaves one; the open connection."""
+    db = sqlite3.connect(path)
+    db.executescript(V2_SCHEMA)
+    db.execute("PRAGMA journal_mode=WAL")
+    return db
+
+
+def test_a_schema_2_store_is_migrated_in_place_and_keeps_its_results(tmp_path):
+    path = tmp_path / "gemmd.db"
+    with closing(make_v2_store(path)) as db:
+        db.execute("INSERT INTO probes (ts, source, kind, device_uuid, device_index, "
+                   "device_name, backend, m, n, k, dtype, kernel, tile, layout, outcome, "
+                   "runtime_s, pred_runtime_s, model_version, flagged, context, out_dtype) "
+                   "VALUES (5.0, 'daemon', 'sentinel', 'GPU-a', 0, 'Fake GPU', 'fake', 1024, "
+                   "1024, 1024, 'fp32', 'blas', 0, 'nn', 'ok', 1e-3, 9e-4, 'rf-1', 1, "
+                   "'{\"x\": 1}', 'fp32')")
+        db.execute("INSERT INTO models (created, kind, path, n_samples, data_hash, meta, "
+                   "active) VALUES (1.0, 'random_forest', '/m/1', 40, 'h', '{}', 1)")
+        db.commit()
+    s = Store(path)
+    try:
+        assert s.schema_version == SCHEMA_VERSION >= 3
+        assert s.journal_mode == "wal"
+        (old,) = s.probes(include_flagged=True)
+        assert (old["ts"], old["runtime_s"], old["pred_runtime_s"], old["flagged"],
+                old["context"], old["out_dtype"]) == (5.0, 1e-3, 9e-4, 1, {"x": 1}, "fp32")
+        # Intervals unknown for results stored before; read as NULL.
+        assert all(old[c] is None for c in INTERVAL_COLUMNS)
+        assert s.active_model()["version"] == 1
+        assert s.events() == []
+        # The migrated store takes events and intervals like a new one.
+        s.add_event("alarm", device_uuid="GPU-a", target="runtime", detail={"ratio": 1.06})
+        s.insert_probe(row(ts=6.0, pred_runtime_s=1e-3, pred_runtime_lo=8e-4,
+                           pred_runtime_hi=1.2e-3))
+        (hist_old, hist_new) = s.sentinel_history("GPU-a")
+        assert hist_old["pred_runtime_lo"] is None
+        assert (hist_new["pred_runtime_lo"], hist_new["pred_runtime_hi"]) == (8e-4, 1.2e-3)
+    finally:
+        s.close()
+    # Opened again: nothing to migrate, everything still there.
+    s = Store(path)
+    try:
+        assert len(s.probes(include_flagged=True)) == 2 and len(s.events()) == 1
+    finally:
+        s.close()
+
+
+def test_events_are_recorded_and_read_by_time_device_and_kind(store):
+    store.add_event("model", ts=1.0, detail={"version": "rf-1", "kind": "random_forest"})
+    store.add_event("alarm", ts=2.0, device_uuid="GPU-a", target="runtime", probe=None,
+                    detail={"scope": "pooled", "ratio": np.float64(1.06)})
+    store.add_events([
+        {"ts": 3.0, "device_uuid": "GPU-b", "kind": "alarm", "target": "power",
+         "probe": "blas-fp32-nn-1024x1024x1024", "detail": {"scope": "probe"}},
+        {"ts": 4.0, "device_uuid": "GPU-a", "kind": "clear", "target": "runtime",
+         "detail": {"since": 2.0}}])
+    assert [e["ts"] for e in store.events()] == [1.0, 2.0, 3.0, 4.0]
+    a = store.events(kinds=("alarm",), uuids=["GPU-a"])
+    assert len(a) == 1 and a[0]["detail"] == {"scope": "pooled", "ratio": 1.06}
+    assert a[0]["probe"] is None and a[0]["target"] == "runtime"
+    # A device's events include those of no one device (a model, every device).
+    assert [e["kind"] for e in store.events(uuids=["GPU-a"])] == ["model", "alarm", "clear"]
+    assert [e["ts"] for e in store.events(since=2.0, until=3.0)] == [2.0, 3.0]
+    assert {e["device_uuid"]: e["ts"] for e in store.last_events("alarm")} == \
+        {"GPU-a": 2.0, "GPU-b": 3.0}
+    with pytest.raises(ValueError, match="not an event kind"):
+        store.add_event("oops")
+    assert len(store.events()) == 4  # nothing half-written
+
+
+def test_unflag_records_the_rebaseline_with_the_results_it_unflagged(store):
+    store.insert_probes([row(ts=1.0, flagged=True), row(ts=2.0, flagged=True),
+                         row(ts=3.0, device_uuid="GPU-b", flagged=True), row(ts=4.0)])
+    assert store.unflag(["GPU-a", "GPU-c"], event={"phase": "requested"}) == 2
+    evs = store.events(kinds=("rebaseline",))
+    assert [(e["device_uuid"], e["detail"]["unflagged"], e["detail"]["phase"])
+            for e in evs] == [("GPU-a", 2, "requested"), ("GPU-c", 0, "requested")]
+    assert evs[0]["detail"]["devices"] == ["GPU-a", "GPU-c"]
+    assert store.unflag(event={"phase": "applied"}) == 1  # every device: GPU-b's one
+    last = store.events(kinds=("rebaseline",))[-1]
+    assert last["device_uuid"] is None and last["detail"] == {
+        "phase": "applied", "devices": "all", "unflagged": 1}
+    assert store.unflag() == 0 and len(store.events()) == 3  # no event asked, none written
+
+
+def test_events_are_pruned_with_the_daemons_probes_and_bounded(store, monkeypatch):
+    import gemmd.store as store_mod
+
+    now = 100 * 86400.0
+    store.insert_probes([row(ts=now - 10 * 86400), row(ts=now)])
+    store.add_events([{"ts": now - 10 * 86400, "kind": "model"},
+                      *({"ts": now - i, "kind": "alarm", "device_uuid": "GPU-a",
+                         "target": "runtime"} for i in range(5))])
+    # An import's prune leaves the daemon's events alone.
+    assert store.prune(retention_days=5, max_rows=None, now=now, sources=("imp",)) == 0
+    assert len(store.events()) == 6
+    assert store.prune(retention_days=5, max_rows=1000, now=now) == 1
+    assert len(store.events()) == 5 and store.events(kinds=("model",)) == []
+    monkeypatch.setattr(store_mod, "MAX_EVENTS", 3)
+    store.prune(retention_days=None, max_rows=None, now=now)
+    assert [e["ts"] for e in store.events()] == [now - 2, now - 1, now]  # the newest

@@ -24,6 +24,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         devices, counts, latest = store.devices(), store.counts(), store.latest_per_probe()
         model, models, sources = store.active_model(), store.models(), store.sources()
+        last_alarm = {e["device_uuid"]: e for e in store.last_events("alarm")}
     finally:
         store.close()
     drift = _drift_summary(cfg, db.parent)
@@ -35,7 +36,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"store": str(db), "sources": sources, "devices": devices,
                           "counts": counts, "latest": latest, "model": model,
-                          "models": len(models), "drift": drift}, indent=1, default=str))
+                          "models": len(models), "drift": drift, "last_alarm": last_alarm},
+                         indent=1, default=str))
         return 0
     now = time.time()
     print(f"store: {db}")
@@ -70,6 +72,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                   + (f": {alarms}" if alarms else "")
                   + (f"; {dr['baselining']} still taking their baseline"
                      if dr["baselining"] else ""))
+        if (a := last_alarm.get(d["uuid"])) is not None:  # from the store's events
+            det = a["detail"] if isinstance(a["detail"], dict) else {}
+            ratio = f", x{det['ratio']:.3f} of normal" if det.get("ratio") else ""
+            print(f"  last drift alarm: {a['target']} on {a['probe'] or 'its probes pooled'}"
+                  f"{ratio}, {stamp(a['ts'])} ({age(now - a['ts'])} ago)")
         for c in (c for c in counts if c["device_uuid"] == d["uuid"]):
             print(f"  {c['source']:>8} {c['outcome']:<9} {c['n']:>7} probes, last "
                   f"{age(now - c['last'])} ago")

@@ -7,17 +7,20 @@ predicted runtime, power and energy with the prediction interval, and the device
 recorded with each probe (SM clock, temperature, power limit, clock-event reasons).
 
 What the store keeps and what it does not (said on the page too): each result's
-prediction (point only), the model version that made it, whether the GPU was in drift
-alarm when it was taken (``flagged``) and the device context. Prediction intervals are
-not stored: they are re-computed from the model files still kept (``model.keep``) with
-the same model, which gives the daemon's interval exactly. Drift alarms are known per
-result (the GPU in alarm for some target) and, for now, from the saved drift state;
-rebaselines and the drift statistics over time are not recorded.
+prediction with its interval, the model version that made it, whether the GPU was in
+drift alarm when it was taken (``flagged``) and the device context; and its events: drift
+alarms raised and cleared per target (the pooled statistic or a probe's own), rebaselines,
+models activated. Results stored before intervals were (schema 2) get theirs re-computed
+from the model files still kept (``model.keep``) with the same model, which gives the
+daemon's interval exactly. A store the daemon has not migrated yet (schema 2) is read as
+it is: no events there, alarms only by flagged results. The drift statistics over time are
+not recorded (Prometheus has them).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +55,11 @@ from gemmd.report.page import (
 )
 
 MAX_POINTS = 600  # results per series drawn as they are; beyond, medians per time bin
+MAX_EVENT_ROWS = 40  # a GPU's events listed (the newest), and as many models
 PRED = {t: f"pred_{COLUMN[t]}" for t in TARGETS}
 ALARM_COLOR = "#d62728"
+CLEAR_COLOR = "#2ca02c"
+REBASELINE_COLOR = "#7b3fb5"
 
 
 @dataclass
@@ -83,12 +89,48 @@ class Context:
 
 
 @dataclass
+class AlarmSpan:
+    """A GPU's drift alarm for one target, from the store's events: from the first alarm
+    raised (its pooled statistic's or a probe's) to the clear of the last one in alarm;
+    ``end`` None: still in alarm."""
+
+    target: str
+    start: float
+    end: float | None
+    raised: dict[str, Any]  # the detail of the alarm that began it (scope, ratio, shift)
+    by: list[str]  # what was in alarm over the span: "pooled" and/or probe names
+    ended_by: str = ""  # cleared | rebaseline | "" (still in alarm)
+    start_known: bool = True  # False: began before the events (a clear's or drift.json's)
+
+
+@dataclass
+class RebaselineMark:
+    ts: float
+    phase: str  # applied | automatic | requested (and not applied yet)
+    unflagged: int  # results unflagged by it (request and application together)
+
+
+@dataclass
+class BandCounts:
+    """Where the results' prediction intervals came from, counted per (result, target)."""
+
+    stored: int = 0
+    recomputed: int = 0
+    none: int = 0
+
+
+@dataclass
 class GpuData:
     rec: dict[str, Any]
     info: DeviceInfo | None
     n_rows: int = 0
     series: list[Series] = field(default_factory=list)
     context: Context = field(default_factory=lambda: Context(np.zeros(0), {}, None))
+    events: list[dict[str, Any]] = field(default_factory=list)  # alarm/clear/rebaseline
+    alarms: list[AlarmSpan] = field(default_factory=list)  # those overlapping the window
+    rebaselines: list[RebaselineMark] = field(default_factory=list)  # in the window
+    window: tuple[float, float] = (0.0, 0.0)
+    events_recorded: bool = True  # the store has an events table (schema 3 on)
 
 
 def probe_label(s: ProbeSpec) -> str:
@@ -124,19 +166,28 @@ def write_fleet(out: str | Path, *, state_dir: Path, drift_cfg: DriftConfig | No
         since = until - days * 86400.0
         devs = _select(devs, devices, db)
         bands = _Bands(mods, model_cfg)
+        has_events, schema = readonly.has_events(con), readonly.schema_version(con)
+        drift = _drift_state(state_dir, drift_cfg)
         gpus = []
         for d in devs:  # one GPU's rows at a time: arrays kept, row dicts dropped
             rows = readonly.sentinels(con, db, d["uuid"], since, until, source)
-            g = GpuData(d, readonly.device_info(d), len(rows))
+            g = GpuData(d, readonly.device_info(d), len(rows), window=(since, until),
+                        events_recorded=has_events)
             g.series, g.context = _series(g, rows, bands), _context(rows)
+            # Every alarm, clear and rebaseline up to the window's end (events are few,
+            # and bounded): an alarm raised before the window and still on shows in it.
+            g.events = readonly.events(con, db, None, until, [str(d["uuid"])],
+                                       ("alarm", "clear", "rebaseline"))
+            g.alarms = _alarm_spans_of(g, drift)
+            g.rebaselines = _rebaselines_of(g.events, since, until)
             gpus.append(g)
             del rows
+        fleet_events = readonly.events(con, db, since, until, None, ("model", "refit_rejected"))
     finally:
         con.close()
 
     active = next((m for m in mods if m["active"]), None)
     deployed = f"rf-{active['version']}" if active else "roofline"
-    drift = _drift_state(state_dir, drift_cfg)
 
     page = Page("gemmd fleet report")
     n_rows = sum(g.n_rows for g in gpus)
@@ -162,31 +213,57 @@ def write_fleet(out: str | Path, *, state_dir: Path, drift_cfg: DriftConfig | No
             "No prediction interval for results predicted by " + ", ".join(
                 esc(v) for v in sorted(bands.missing)) + ": " + esc(
                 "; ".join(sorted(set(bands.missing.values())))) + ".")
+    if not has_events:
+        page.warnings.append(
+            f"This store has schema {schema}, from an older gemmd: it records no drift "
+            "alarms, rebaselines or models as events (the daemon migrates it at its next "
+            "start). Alarms show only by their flagged results, which <code>gemmd "
+            "rebaseline</code> unflags.")
     plt = plt_setup()
     page.sections.append(_fleet_table(gpus, deployed, drift))
     # GPUs in trouble first (in alarm, results flagged, failed or wrong), then by index.
     for g in sorted(gpus, key=lambda g: not _trouble(g, drift)):
         page.sections.append(_gpu_section(plt, g, deployed, drift, page))
-    page.sections.append(_NOT_RECORDED)
+    page.sections.append(_model_events(fleet_events))
+    page.sections.append(_recorded(has_events, bands.counts))
     write_atomic(path, page.render())
     return path
 
 
-_NOT_RECORDED = (
-    "<h2>What the store records, and what it does not</h2><ul class=note>"
-    "<li>Recorded with every result: measured and predicted runtime, power and energy, the "
-    "model version that predicted it, its outcome, whether the GPU was in drift alarm when it "
-    "was taken (<i>flagged</i>), and the device context (SM and memory clock, temperature, "
-    "power limit, clock-event reasons) read after the probe.</li>"
-    "<li>Prediction intervals are not stored: they are re-computed here with the model "
-    "that made each prediction, from its file while kept (<code>model.keep</code>); results "
-    "of models whose file is gone, or of a reference model calibrated per GPU, show no "
-    "band.</li>"
-    "<li>Drift alarms are known per result (flagged: the GPU in alarm for some target, not "
-    "which) and, for the present, from the saved drift state. Rebaselines are not recorded: "
-    "<code>gemmd rebaseline</code> unflags the results taken while drifting, so an alarm "
-    "accepted by a rebaseline no longer shows here. The drift statistics over time (CUSUM, "
-    "z) are not stored either (Prometheus has them).</li></ul>")
+def _recorded(has_events: bool, counts: BandCounts) -> str:
+    """What the store records and what it does not, with where this page's intervals came
+    from."""
+    total = counts.stored + counts.recomputed + counts.none
+    where = (f" Here: {fmt_count(counts.stored)} of {fmt_count(total)} (result, target) "
+             f"predictions with their stored interval, {fmt_count(counts.recomputed)} "
+             f"re-computed, {fmt_count(counts.none)} without one." if total else "")
+    events = (
+        "<li>Events: each drift alarm raised and cleared, per GPU and target (the probes' "
+        "pooled statistic or one probe's own), with the shift it saw; each rebaseline "
+        "(requested with <code>gemmd rebaseline</code>, applied by the daemon, or automatic "
+        "after <code>drift.accept_after_s</code>) with the results it unflagged, so an alarm "
+        "a rebaseline accepted still shows; each model activated and each refit rejected. "
+        "They are pruned with the daemon's probes (<code>store.retention_days</code>). "
+        "Alarms from before the store recorded events (an older gemmd) show only by their "
+        "flagged results.</li>" if has_events else
+        "<li>Events (drift alarms raised and cleared, rebaselines, models) are recorded from "
+        "schema 3 on; this store is older and not yet migrated, so alarms show only by "
+        "their flagged results (<i>flagged</i>: the GPU in alarm for some target, not "
+        "which), which <code>gemmd rebaseline</code> unflags.</li>")
+    return (
+        "<h2>What the store records, and what it does not</h2><ul class=note>"
+        "<li>Recorded with every result: measured and predicted runtime, power and energy, "
+        "the prediction interval, the model version that predicted it, its outcome, "
+        "whether the GPU was in drift alarm when it was taken (<i>flagged</i>), and the "
+        "device context (SM and memory clock, temperature, power limit, clock-event "
+        "reasons) read after the probe.</li>"
+        "<li>Results stored before intervals were (an older gemmd) have theirs re-computed "
+        "here with the model that made each prediction, from its file while kept "
+        "(<code>model.keep</code>); such results of models whose file is gone, or of a "
+        "reference model calibrated per GPU, show no band." + where + "</li>"
+        + events +
+        "<li>Not recorded: the drift statistics over time (CUSUM, z); Prometheus has "
+        "them.</li></ul>")
 
 
 def _rebaseline_pending(state_dir: Path) -> str:
@@ -253,6 +330,7 @@ class _Bands:
         self.cfg = cfg
         self.models: dict[str, Any] = {}
         self.missing: dict[str, str] = {}  # version -> why no band
+        self.counts = BandCounts()
         self.cache: dict[tuple[str, ProbeSpec, str], dict[str, tuple[float, float]]] = {}
 
     def _predictor(self, version: str) -> Any:
@@ -305,7 +383,6 @@ def _series(g: GpuData, rows: list[dict[str, Any]], bands: _Bands) -> list[Serie
     out = []
     for spec in sorted(by, key=lambda s: (s.kernel, s.dtype, s.m * s.n * s.k, s.layout)):
         mine = by[spec]
-        n = len(mine)
 
         def col(name: str, rows: list[dict[str, Any]] = mine) -> np.ndarray:
             return np.array([np.nan if r[name] is None else float(r[name]) for r in rows])
@@ -314,13 +391,24 @@ def _series(g: GpuData, rows: list[dict[str, Any]], bands: _Bands) -> list[Serie
         meas = {t: np.where(ok, col(COLUMN[t]), np.nan) for t in TARGETS}
         pred = {t: np.where(ok, col(PRED[t]), np.nan) for t in TARGETS}
         versions = [str(r["model_version"] or "") for r in mine]
-        lo = {t: np.full(n, np.nan) for t in TARGETS}
-        hi = {t: np.full(n, np.nan) for t in TARGETS}
+        # The interval stored with each result; re-computed (with the model that made the
+        # prediction) only for results stored without one (an older gemmd).
+        lo = {t: np.where(ok, col(f"pred_{t}_lo"), np.nan) for t in TARGETS}
+        hi = {t: np.where(ok, col(f"pred_{t}_hi"), np.nan) for t in TARGETS}
         vers = np.array(versions, dtype=object)
-        for v in set(versions):
-            sel = ok & (vers == v)
+        lack = {t: np.isfinite(pred[t]) & ~(np.isfinite(lo[t]) & np.isfinite(hi[t]))
+                for t in TARGETS}
+        for t in TARGETS:
+            bands.counts.stored += int((np.isfinite(pred[t]) & ~lack[t]).sum())
+        for v in {v for v, need in zip(versions, np.logical_or.reduce(
+                [lack[t] for t in TARGETS])) if need}:
             for t, (a, b) in bands.ratios(v, spec, g.info).items():
+                sel = lack[t] & (vers == v)
                 lo[t][sel], hi[t][sel] = pred[t][sel] * a, pred[t][sel] * b
+                bands.counts.recomputed += int(sel.sum())
+        for t in TARGETS:
+            bands.counts.none += int((lack[t] & ~(np.isfinite(lo[t]) & np.isfinite(hi[t]))
+                                      ).sum())
         out.append(Series(spec, col("ts"), ok, [str(r["outcome"]) for r in mine], meas, pred,
                           lo, hi, versions, np.array([bool(r["flagged"]) for r in mine])))
     return out
@@ -383,8 +471,219 @@ def _drift_now(drift: _Drift | None, uuid: str) -> tuple[str, int]:
 
 
 def _trouble(g: GpuData, drift: _Drift | None) -> bool:
-    return ("class=bad" in _drift_now(drift, str(g.rec["uuid"]))[0]
+    return ("class=bad" in _drift_now(drift, str(g.rec["uuid"]))[0] or bool(g.alarms)
             or any(s.flagged.any() or not s.ok.all() for s in g.series))
+
+
+# ------------------------------------------------------------------ events
+
+
+def _detail(e: dict[str, Any]) -> dict[str, Any]:
+    return e["detail"] if isinstance(e.get("detail"), dict) else {}
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and \
+        math.isfinite(v) else None
+
+
+def _alarm_spans_of(g: GpuData, drift: _Drift | None) -> list[AlarmSpan]:
+    """The GPU's alarms per target over the window, from its events (oldest first): a
+    target is in alarm from its first alarm raised while none was, until every alarm
+    raised on it (pooled or a probe's) cleared, or a rebaseline. An alarm in the saved
+    drift state that no event began (raised before the store recorded events) counts from
+    its start there."""
+    spans: list[AlarmSpan] = []
+    open_: dict[str, AlarmSpan] = {}
+    members: dict[str, set[str]] = {}
+    for e in g.events:
+        kind, target, det, ts = e["kind"], e.get("target"), _detail(e), float(e["ts"])
+        who = str(e.get("probe") or "pooled")
+        if kind == "alarm" and target:
+            span = open_.get(target)
+            if span is None:
+                span = open_[target] = AlarmSpan(target, ts, None, det, [])
+                spans.append(span)
+            members.setdefault(target, set()).add(who)
+            if who not in span.by:
+                span.by.append(who)
+            if who == "pooled" and span.raised.get("scope") != "pooled":
+                span.raised = det  # the device's estimate of the shift, where there is one
+        elif kind == "clear" and target:
+            how = "rebaseline" if det.get("reason") == "rebaseline" else "cleared"
+            span = open_.get(target)
+            if span is None:  # raised before the events began (or were pruned)
+                began = _num(det.get("since"))
+                spans.append(AlarmSpan(target, began if began is not None else ts, ts, {},
+                                       [who], how, start_known=False))
+                continue
+            members[target].discard(who)
+            if not members[target]:
+                span.end, span.ended_by = ts, how
+                del open_[target]
+        elif kind == "rebaseline" and det.get("phase") != "requested":
+            for span in open_.values():
+                span.end, span.ended_by = ts, "rebaseline"
+            open_.clear()
+            members.clear()
+    for target, (began, by) in _open_alarms(drift, str(g.rec["uuid"])).items():
+        if target not in open_:
+            spans.append(AlarmSpan(target, began, None, {}, by, start_known=False))
+    a, b = g.window
+    return [sp for sp in _merge(spans) if sp.start <= b and (sp.end is None or sp.end >= a)]
+
+
+def _open_alarms(drift: _Drift | None, uuid: str) -> dict[str, tuple[float, list[str]]]:
+    """Per target in alarm in the saved drift state: since when, and on what."""
+    if drift is None:
+        return {}
+    out = {}
+    dev = drift.devices.get(uuid)
+    for target in TARGETS:
+        by, since = [], []
+        pooled = dev.targets.get(target) if dev else None
+        if pooled is not None and pooled.drifting:
+            by.append("pooled")
+            since.append(pooled.since)
+        for (u, spec, t), tr in drift.tracks.items():
+            if u == uuid and t == target and tr.drifting:
+                by.append(spec.name)
+                since.append(tr.since)
+        known = [x for x in since if _num(x) is not None]
+        if by and known:
+            out[target] = (float(min(known)), by)
+    return out
+
+
+def _merge(spans: list[AlarmSpan]) -> list[AlarmSpan]:
+    """Overlapping spans of one target as one, oldest first."""
+    out: list[AlarmSpan] = []
+    for sp in sorted(spans, key=lambda x: (x.target, x.start)):
+        last = out[-1] if out and out[-1].target == sp.target else None
+        if last is not None and (last.end is None or sp.start <= last.end):
+            if last.end is not None and (sp.end is None or sp.end > last.end):
+                last.end, last.ended_by = sp.end, sp.ended_by
+            last.by += [w for w in sp.by if w not in last.by]
+            continue
+        out.append(sp)
+    return sorted(out, key=lambda x: x.start)
+
+
+def _rebaselines_of(events: list[dict[str, Any]], since: float, until: float
+                    ) -> list[RebaselineMark]:
+    """The rebaselines in the window: each applied by the daemon (with the results its
+    request unflagged) or automatic, and one requested but not applied yet."""
+    marks: list[RebaselineMark] = []
+    pending: RebaselineMark | None = None
+    for e in events:
+        if e["kind"] != "rebaseline":
+            continue
+        det = _detail(e)
+        phase, n = str(det.get("phase") or "applied"), int(_num(det.get("unflagged")) or 0)
+        if phase == "requested":
+            pending = RebaselineMark(float(e["ts"]), phase,
+                                     n + (pending.unflagged if pending else 0))
+            continue
+        if phase == "applied" and pending is not None:
+            n, pending = n + pending.unflagged, None
+        marks.append(RebaselineMark(float(e["ts"]), phase, n))
+    if pending is not None:
+        marks.append(pending)
+    return [m for m in marks if since <= m.ts <= until]
+
+
+def _fmt_ts(ts: float | None) -> str:
+    """An event's time, to the second."""
+    if ts is None or not math.isfinite(ts):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+def _duration(s: float) -> str:
+    for unit, f in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= f:
+            return f"{s / f:.1f} {unit}" if s < 10 * f else f"{s / f:.0f} {unit}"
+    return f"{max(s, 0.0):.0f} s"
+
+
+def _span_row(sp: AlarmSpan, labels: dict[str, str], until: float) -> tuple[float, list[str]]:
+    """One alarm of one target, as a row: when raised, on what, how far off, how it
+    ended."""
+    probes = [labels.get(w, w) for w in sp.by if w != "pooled"]
+    on = ["its probes pooled"] if "pooled" in sp.by else []
+    if probes:
+        on.append(", ".join(probes) if len(probes) <= 2 else f"{len(probes)} probes alone")
+    ratio = _num(sp.raised.get("ratio"))
+    detail = [f"×{ratio:.3f} of normal when raised" if ratio else ""]
+    length = (sp.end if sp.end is not None else until) - sp.start
+    if sp.end is None:
+        detail.append(f"<span class=bad>still in alarm</span> at the window's end, after "
+                      f"{_duration(length)}")
+    elif sp.ended_by == "rebaseline":
+        detail.append(f"ended by the rebaseline {_fmt_ts(sp.end)}, after {_duration(length)}")
+    else:
+        detail.append(f"<span class=ok>cleared</span> {_fmt_ts(sp.end)}, after "
+                      f"{_duration(length)}")
+    when = _fmt_ts(sp.start) if sp.start_known else \
+        f"{_fmt_ts(sp.start)} (before the events were recorded)"
+    return sp.start, [when, "<span class=bad>drift alarm</span>", esc(sp.target),
+                      esc(" and ".join(on)) or "-", "; ".join(x for x in detail if x)]
+
+
+def _rebaseline_row(m: RebaselineMark, everyone: bool) -> tuple[float, list[str]]:
+    who = "every GPU" if everyone else "this GPU"
+    unflagged = (f"{fmt_count(m.unflagged)} result(s) taken while drifting unflagged"
+                 if m.unflagged else "no result taken while drifting to unflag")
+    text = {"requested": f"<code>gemmd rebaseline</code> for {who}: {unflagged}; not "
+                         "applied by the daemon yet",
+            "applied": f"<code>gemmd rebaseline</code> for {who}: {unflagged}; drift "
+                       "references reset by the daemon",
+            "automatic": "<code>drift.accept_after_s</code> passed: its behaviour taken as "
+                         "the new normal"}.get(m.phase, esc(m.phase))
+    return m.ts, [_fmt_ts(m.ts), f"<b>rebaseline{' requested' if m.phase == 'requested' else ''}"
+                  "</b>", "every target", "-", text]
+
+
+def _events_table(g: GpuData) -> str:
+    """The GPU's drift alarms (per target, from raised to cleared) and rebaselines in the
+    window, from the store's events."""
+    if not g.events_recorded:
+        return ""
+    if not g.alarms and not g.rebaselines:
+        return ("<p class=note>No drift alarm or rebaseline recorded for this GPU in the "
+                "window.</p>")
+    labels = {s.spec.name: probe_label(s.spec) for s in g.series}
+    everyone = {float(e["ts"]) for e in g.events
+                if e["kind"] == "rebaseline" and e.get("device_uuid") is None}
+    rows = sorted([_span_row(sp, labels, g.window[1]) for sp in g.alarms]
+                  + [_rebaseline_row(m, m.ts in everyone) for m in g.rebaselines],
+                  key=lambda r: r[0])
+    shown = rows[-MAX_EVENT_ROWS:]
+    more = f" (the newest {len(shown)} of {len(rows)})" if len(shown) < len(rows) else ""
+    return (f"<h3>Drift alarms and rebaselines in the window{more}</h3>"
+            + table(["time", "event", "target", "on", "detail"], [r for _, r in shown],
+                    left={0, 1, 2, 3, 4}))
+
+
+def _model_events(evs: list[dict[str, Any]]) -> str:
+    """Models activated and refits rejected in the window (the fleet's)."""
+    if not evs:
+        return ""
+    rows = []
+    for e in evs[-MAX_EVENT_ROWS:]:
+        det = _detail(e)
+        if e["kind"] == "model":
+            rows.append([_fmt_ts(e["ts"]), "model activated",
+                         esc(str(det.get("version", "?"))), esc(str(det.get("kind", "?"))),
+                         fmt_count(int(_num(det.get("rows")) or 0)),
+                         esc(str(det.get("reason", "")))])
+        else:
+            rows.append([_fmt_ts(e["ts"]), "refit rejected", esc(str(det.get("version", "?"))),
+                         "-", fmt_count(int(_num(det.get("rows")) or 0)),
+                         esc(str(det.get("reason", "")))])
+    return ("<h2>Models in the window</h2>"
+            + table(["time", "event", "predictions from", "kind", "rows", "why"], rows,
+                    left={0, 1, 2, 3, 5}))
 
 
 # ------------------------------------------------------------------ live error
@@ -440,23 +739,30 @@ def _fleet_table(gpus: list[GpuData], deployed: str, drift: _Drift | None) -> st
             err.append(fmt_pct(float(np.median(vals))) + (" ⚠" if 0 < ns < MIN_ROWS else "")
                        if vals else "-")
         last = max((float(s.ts[-1]) for s in g.series if len(s.ts)), default=None)
+        a, b = g.window
+        began = sum(1 for sp in g.alarms if sp.start_known and sp.start >= a)
+        events = ", ".join(x for x in (
+            f"<span class=bad>{began} alarm(s) raised</span>" if began else "",
+            f"{len(g.rebaselines)} rebaseline(s)" if g.rebaselines else "") if x) or \
+            ("none" if g.events_recorded else "not recorded")
         rows.append([
             f"<a href='#gpu-{esc(str(g.rec['uuid']))}'>GPU {esc(str(g.rec['idx']))}</a>",
             esc(str(g.rec["name"])),
             f"{fmt_count(oks)}" + (f" <span class=bad>+{failed} failed</span>" if failed else "")
             + (f" <span class=bad>+{mismatch} wrong results</span>" if mismatch else ""),
             (f"<span class=bad>{fmt_count(flagged)}</span>" if flagged else "0"),
-            now, str(alarms), *err, f"<span class=nw>{esc(fmt_time(last))}</span>"])
+            now, str(alarms), events, *err, f"<span class=nw>{esc(fmt_time(last))}</span>"])
         errs_of.add(label)
     head = ["GPU", "model", "ok results", "flagged", "drift now", "alarms so far",
-            "live error: runtime", "power", "energy", "last result"]
-    return ("<h2>Fleet</h2>" + table(head, rows, left={0, 1, 4})
+            "events in window", "live error: runtime", "power", "energy", "last result"]
+    return ("<h2>Fleet</h2>" + table(head, rows, left={0, 1, 4, 6})
             + "<p class=note>Live error: the median over the GPU's sentinel probes of each "
               "probe's median |measured / predicted − 1| over the window, of "
               + esc(" / ".join(sorted(errs_of))) + " (⚠: fewer than "
               f"{MIN_ROWS} results). Flagged: results taken while the GPU was in drift alarm "
               "(kept out of refits). Alarms so far: raised since the drift state began (probe "
-              "tracks and pooled).</p>")
+              "tracks and pooled). Events in window: drift alarms raised (per target) and "
+              "rebaselines, from the store's events.</p>")
 
 
 # ------------------------------------------------------------------ one GPU
@@ -504,6 +810,7 @@ def _gpu_section(plt: Any, g: GpuData, deployed: str, drift: _Drift | None, page
         parts.append(f"<p class=note>The deployed model ({esc(deployed)}) predicted none of "
                      "this GPU's results in the window; the error shown is of the models that "
                      "did.</p>")
+    parts.append(_events_table(g))
     binned = any(len(s.ts) > MAX_POINTS for s in g.series) or \
         len(g.context.ts) > 4 * MAX_POINTS
     parts.append(to_svg(_fig_ratio(plt, g), f"{title}: measured / predicted"))
@@ -564,9 +871,14 @@ def _model_changes(g: GpuData) -> list[tuple[float, str]]:
 
 
 def _mark_time(ax: Any, g: GpuData, spans: list[tuple[float, float]],
-               changes: list[tuple[float, str]], label: bool) -> None:
-    """Shade the results taken in drift alarm; a dotted line where a new model took over
-    (named on the panels that carry the legend)."""
+               changes: list[tuple[float, str]], label: bool, *, annotate: bool | None = None,
+               target: str | None = None) -> None:
+    """Shade the results taken in drift alarm; a dotted line where a new model took over;
+    from the store's events, the drift alarms of ``target`` (None: every target) as a bar
+    along the top with a line where each was raised and where it cleared, and a line at
+    each rebaseline. ``label``: name them for the legend; ``annotate`` (default: label):
+    write the model's version and the rebaselines on the panel."""
+    annotate = label if annotate is None else annotate
     for i, (a, b) in enumerate(spans):
         ax.axvspan(_times(np.array([a]))[0], _times(np.array([b]))[0], color=ALARM_COLOR,
                    alpha=0.12, lw=0, zorder=0,
@@ -575,9 +887,50 @@ def _mark_time(ax: Any, g: GpuData, spans: list[tuple[float, float]],
         x = _times(np.array([t]))[0]
         ax.axvline(x, color="#777", ls=":", lw=1, zorder=1,
                    label="new model" if label and i == 0 else None)
-        if label:
+        if annotate:
             ax.annotate(v, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
                         textcoords="offset points", fontsize=7, color="#555", va="top")
+    lo, hi = g.window
+    raised = cleared = 0
+    for i, sp in enumerate(x for x in g.alarms if target is None or x.target == target):
+        x0, x1 = _times(np.array([max(sp.start, lo), sp.end if sp.end is not None else hi]))
+        ax.axvspan(x0, x1, ymin=0.955, ymax=1.0, color=ALARM_COLOR, alpha=0.6, lw=0,
+                   zorder=2, label="in drift alarm" if label and i == 0 else None)
+        if sp.start_known and sp.start >= lo:
+            ax.axvline(x0, color=ALARM_COLOR, lw=1.1, zorder=2,
+                       label="drift alarm raised" if label and not raised else None)
+            raised += 1
+            ratio = _num(sp.raised.get("ratio"))
+            if label and target is not None and ratio:
+                ax.annotate(f"×{ratio:.3f}", (x0, 0.95), xycoords=("data", "axes fraction"),
+                            xytext=(2, -2), textcoords="offset points", fontsize=7,
+                            color=ALARM_COLOR, va="top")
+        if sp.end is not None and sp.end <= hi and sp.ended_by == "cleared":
+            ax.axvline(x1, color=CLEAR_COLOR, lw=1.1, ls="--", zorder=2,
+                       label="drift alarm cleared" if label and not cleared else None)
+            cleared += 1
+    for i, m in enumerate(g.rebaselines):
+        x = _times(np.array([m.ts]))[0]
+        ax.axvline(x, color=REBASELINE_COLOR, lw=1.4, ls="-.", zorder=2,
+                   label="rebaseline" if label and i == 0 else None)
+        if annotate:
+            what = "rebaseline" + (" requested" if m.phase == "requested" else "") + (
+                " (automatic)" if m.phase == "automatic" else "") + (
+                f": {m.unflagged:,} results unflagged" if m.unflagged else "")
+            ax.annotate(what, (x, 0.0), xycoords=("data", "axes fraction"), xytext=(2, 2),
+                        textcoords="offset points", fontsize=7, color=REBASELINE_COLOR,
+                        va="bottom")
+
+
+def _legend_of(axes: Sequence[Any]) -> tuple[list[Any], list[str]]:
+    """The legend entries of several panels, each label once."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    return handles, labels
 
 
 def _time_axis(ax: Any, g: GpuData) -> None:
@@ -623,7 +976,7 @@ def _fig_ratio(plt: Any, g: GpuData) -> Any:
             log = hi / lo > 5
         pad = (hi - lo) * 0.08
         ylo, yhi = (lo / 1.15, hi * 1.15) if log else (lo - pad, hi + pad)
-        _mark_time(ax, g, spans, changes, label=row == 0)
+        _mark_time(ax, g, spans, changes, label=True, annotate=row == 0, target=target)
         ax.axhline(1.0, color="#444", lw=0.9, zorder=1)
         for i, s in enumerate(g.series):
             r = s.meas[target] / s.pred[target]
@@ -654,11 +1007,13 @@ def _fig_ratio(plt: Any, g: GpuData) -> Any:
         ax.set_ylabel(f"{target}\nmeasured / predicted")
     _time_axis(axes[-1][0], g)
     axes[-1][0].set_xlabel("time (UTC)")
-    legend_above(axes[0][0], ncol=3)
+    handles, labels = _legend_of([a[0] for a in axes])
+    axes[0][0].legend(handles, labels, loc="lower left", bbox_to_anchor=(0.0, 1.01), ncol=3,
+                      borderaxespad=0.0, handlelength=1.6, columnspacing=1.2)
     axes[0][0].set_title("Measured / predicted over time: 1 = the model exactly; a step up "
                          "is a slowdown (points off the scale sit at its edge as ▲ ▼)",
                          loc="left", fontsize=10, fontweight="bold",
-                         pad=16 + 12 * math.ceil((len(g.series) + 2) / 3))
+                         pad=16 + 12 * math.ceil(len(handles) / 3))
     fig.tight_layout()
     return fig
 
@@ -678,7 +1033,7 @@ def _fig_probes(plt: Any, g: GpuData) -> Any:
             ts, (mm, pp, lo, hi), fl = _bin(s.ts, [m, p, s.lo[target], s.hi[target]],
                                              s.flagged)
             t = _times(ts)
-            _mark_time(ax, g, spans, changes, label=False)
+            _mark_time(ax, g, spans, changes, label=False, target=target)
             band = np.isfinite(lo) & np.isfinite(hi)
             if band.any():
                 ax.fill_between(t, np.where(band, lo / f, np.nan), np.where(band, hi / f,

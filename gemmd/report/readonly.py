@@ -19,19 +19,27 @@ from urllib.parse import quote
 
 from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError, StoreError
-from gemmd.store import REQUIRED_COLUMNS, SCHEMA_VERSION
+from gemmd.store import (
+    INTERVAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    SCHEMA_VERSION,
+    events_sql,
+    sentinels_sql,
+)
 
 DB_NAME = "gemmd.db"
 
-# What the fleet report reads of a sentinel result.
-SENTINEL_COLUMNS = ("id", "ts", "m", "n", "k", "dtype", "kernel", "tile", "layout", "outcome",
-                    "runtime_s", "power_w", "energy_j", "pred_runtime_s", "pred_power_w",
-                    "pred_energy_j", "model_version", "flagged", "context")
+# What a report needs of a store: schema 2 (a store the daemon has not yet migrated, which
+# a read-only report cannot do) has no prediction intervals and no events; they are read
+# where present.
+MINIMUM_COLUMNS = {t: tuple(c for c in cols if c not in INTERVAL_COLUMNS)
+                   for t, cols in REQUIRED_COLUMNS.items() if t != "events"}
 
 
 def connect(db: Path) -> sqlite3.Connection:
     """A read-only connection to a gemmd store; StoreError (one line) if it is missing,
-    not a store, or from a newer gemmd."""
+    not a store, or from a newer gemmd. A store of schema 2 is read as it is (see
+    ``has_events``, ``sentinels``)."""
     if not db.is_file():
         raise StoreError(f"no store at {db} (run the daemon, or import data, first; see "
                          "state_dir)")
@@ -46,14 +54,27 @@ def connect(db: Path) -> sqlite3.Connection:
         con.close()
         raise StoreError(f"store {db} has schema version {version}, newer than this gemmd "
                          f"understands ({SCHEMA_VERSION}); upgrade gemmd")
-    for table, required in REQUIRED_COLUMNS.items():
-        have = {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+    for table, required in MINIMUM_COLUMNS.items():
+        have = _columns(con, table)
         if missing := [c for c in required if c not in have]:
             con.close()
             raise StoreError(f"store {db}: table {table} lacks column(s) "
                              f"{', '.join(missing)} (schema version {version}; run the "
                              "daemon once to migrate it)")
     return con
+
+
+def _columns(con: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+
+
+def schema_version(con: sqlite3.Connection) -> int:
+    return int(con.execute("PRAGMA user_version").fetchone()[0])
+
+
+def has_events(con: sqlite3.Connection) -> bool:
+    """The store records events (schema 3 on): alarms, rebaselines, models."""
+    return bool(_columns(con, "events"))
 
 
 def query(con: sqlite3.Connection, db: Path, sql: str, args: tuple[Any, ...] = ()
@@ -65,7 +86,7 @@ def query(con: sqlite3.Connection, db: Path, sql: str, args: tuple[Any, ...] = (
     out = []
     for r in rows:
         d = dict(r)
-        for key in ("context", "info", "meta"):
+        for key in ("context", "info", "meta", "detail"):
             if isinstance(d.get(key), str):
                 try:
                     d[key] = json.loads(d[key])
@@ -98,10 +119,19 @@ def models(con: sqlite3.Connection, db: Path) -> list[dict[str, Any]]:
 
 def sentinels(con: sqlite3.Connection, db: Path, uuid: str, since: float, until: float,
               source: str = "daemon") -> list[dict[str, Any]]:
-    """A device's sentinel results (every outcome, flagged or not) in [since, until]."""
-    return query(con, db, f"SELECT {', '.join(SENTINEL_COLUMNS)} FROM probes WHERE source = ? "
-                          "AND kind = 'sentinel' AND device_uuid = ? AND ts >= ? AND ts <= ? "
-                          "ORDER BY ts, id", (source, uuid, since, until))
+    """A device's sentinel results (every outcome, flagged or not) in [since, until], as
+    Store.sentinel_history reads them; the interval columns NULL in a store of schema 2."""
+    intervals = set(INTERVAL_COLUMNS) <= _columns(con, "probes")
+    return query(con, db, *sentinels_sql(uuid, since, until, source, intervals=intervals))
+
+
+def events(con: sqlite3.Connection, db: Path, since: float | None, until: float | None,
+           uuids: list[str] | None = None, kinds: tuple[str, ...] | None = None
+           ) -> list[dict[str, Any]]:
+    """Events as Store.events reads them (none in a store of schema 2)."""
+    if not has_events(con):
+        return []
+    return query(con, db, *events_sql(since, until, uuids, kinds))
 
 
 def last_probe(con: sqlite3.Connection, db: Path, source: str = "daemon") -> float | None:
