@@ -128,9 +128,13 @@ class ScheduleConfig:
     # signal sees other containers' work, which NVML's process list does not.
     busy_utilization: float = _f(0.10, min=0.01, max=1.0)
     busy_memory_mb: int = _f(256, min=0, max=1 << 30)  # 0: memory is not a signal
-    # After a round skipped because the device was busy, try again this much later
-    # (when it is sooner than the next round); 0 = wait for the next round.
+    # After a round skipped because the device was busy, try again soon: 5 s, then twice
+    # as long each time up to this (when it is sooner than the next round); 0 = wait for
+    # the next round.
     busy_retry_s: float = _f(30.0, min=0.0, max=86400.0)
+    # CPU backend only (a trial run, no GPU to protect): after skipping rounds as busy for
+    # this long, probe anyway, timing the contention (logged); 0 = wait as long as it takes.
+    busy_max_wait_s: float = _f(60.0, min=0.0, max=86400.0)
     # Consecutive failed rounds before a device is marked down; retried with backoff.
     max_failures: int = _f(3, min=1, max=1000)
     max_backoff_s: float = _f(3600.0, min=1.0, max=86400.0)

@@ -35,6 +35,18 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 8.0  # leaves headroom under systemd's and the tests' 10 s
 
 
+BUSY_FIRST_RETRY_S = 5.0
+
+
+def busy_backoff_s(skips: int, cap_s: float) -> float:
+    """When to look again after ``skips`` rounds skipped as busy in a row: 5 s, then twice
+    as long each time, at most ``cap_s`` (schedule.busy_retry_s; 0: not before the next
+    round)."""
+    if cap_s <= 0 or skips <= 0:
+        return 0.0
+    return min(cap_s, BUSY_FIRST_RETRY_S * 2.0 ** min(skips - 1, 30))
+
+
 class Daemon:
     """Start, stop and the jobs; the parts come from gemmd.runtime."""
 
@@ -150,10 +162,10 @@ class Daemon:
         except Exception:  # one device's bug must never stop the others
             logger.exception("%s: probe round crashed", runner.label)
         self._save_drift()
-        retry = self.cfg.schedule.busy_retry_s
+        retry = busy_backoff_s(runner.busy_skips, self.cfg.schedule.busy_retry_s)
         if runner.last_skip and retry and retry < self.cfg.schedule.probe_interval_s and \
                 self.scheduler is not None and not self.stopping.is_set():
-            # Busy now is not busy for a whole interval: look again soon.
+            # Busy now is not busy for a whole interval: look again soon (5 s, 10 s, ...).
             self.scheduler.add_job(self._probe_job, "date", args=[runner],
                                    run_date=datetime.now().astimezone()
                                    + timedelta(seconds=retry),

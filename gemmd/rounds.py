@@ -119,12 +119,21 @@ class DeviceRunner:
         self._round_lock = threading.Lock()
         self._offset = 0  # where the next round starts in its cycle of probes
         self.last_skip: str | None = None  # why the last round was skipped (busy), if it was
+        self.busy_skips = 0  # rounds skipped as busy in a row
+        self._busy_since: float | None = None  # monotonic time of the first of them
         # Called with each result as it comes (gemmd probe prints progress with it).
         self.on_result: Callable[[Result], None] | None = None
 
     @property
     def _ds(self):
         return self.state.devices[self.device.info.uuid]
+
+    def _overdue(self, max_wait_s: float) -> bool:
+        """A CPU trial that has waited ``max_wait_s`` for a quiet host waits no longer; a
+        GPU always waits (its busy check protects someone else's job)."""
+        return (self.device.info.backend == "cpu" and max_wait_s > 0
+                and self._busy_since is not None
+                and time.monotonic() - self._busy_since >= max_wait_s)
 
     def _skip_all(self, reason: str, n: int) -> None:
         with self.state.lock:
@@ -163,11 +172,20 @@ class DeviceRunner:
         except DeviceError as e:
             self._round_failed(str(e))
             return [Result(self.plan[0], "sentinel", "failed", error=str(e))] if self.plan else []
+        if busy and self._overdue(sched.busy_max_wait_s):
+            logger.warning("%s: busy (%s) for %.0f s: probing anyway, the results time the "
+                           "contention (schedule.busy_max_wait_s)", self.label, busy,
+                           time.monotonic() - (self._busy_since or 0.0))
+            busy = None
         self.last_skip = busy
         if busy:
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
+            self.busy_skips += 1
             logger.info("%s: skipping round: %s", self.label, busy)
             self._skip_all(busy, len(self.plan))
             return []
+        self._busy_since, self.busy_skips = None, 0
         todo = self._order(exploration_specs(self.cfg.probes.exploration, self.device,
                                              self._rng))
         budget = self.budget_s if self.budget_s is not None else \

@@ -68,6 +68,14 @@ def test_a_round_skipped_as_busy_is_retried_soon_not_a_whole_interval_later(tmp_
     assert d.state.devices[d.devices[0].info.uuid].rounds_total == 1
 
 
+def test_busy_retries_back_off_from_5_s_to_busy_retry_s():
+    from gemmd.daemon import busy_backoff_s
+
+    assert [busy_backoff_s(n, 30.0) for n in range(1, 6)] == [5.0, 10.0, 20.0, 30.0, 30.0]
+    assert busy_backoff_s(3, 0.0) == 0.0 and busy_backoff_s(0, 30.0) == 0.0
+    assert busy_backoff_s(10_000, 86400.0) == 86400.0  # no overflow
+
+
 def test_the_refit_job_records_each_outcome_in_the_state_once(tmp_path):
     """The registry returns what a refit did; the daemon's refit job alone records it, and
     the exporter shows it."""

@@ -272,3 +272,19 @@ def test_a_tight_budget_rotates_so_every_probe_runs_within_a_few_rounds(env):
     full, _ = make(index=1)
     first = [r.spec for r in full.run_round() if r.kind == "sentinel"]
     assert [r.spec for r in full.run_round() if r.kind == "sentinel"] == first
+
+
+def test_a_cpu_trial_busy_longer_than_busy_max_wait_probes_anyway_a_gpu_never(env):
+    """The first minute of `make run` on a busy machine: the CPU backend (a trial, no GPU
+    job to protect) waits for a quiet host at most schedule.busy_max_wait_s."""
+    make, store, state = env
+    base = _cfg()
+    cfg = dataclasses.replace(base, schedule=dataclasses.replace(base.schedule,
+                                                                 busy_max_wait_s=0.2))
+    for index, backend, probes_anyway in ((0, "cpu", True), (1, "fake", False)):
+        runner, dev = make(FakeDeviceConfig(busy=True), cfg=cfg, index=index)
+        dev.info = dataclasses.replace(dev.info, backend=backend)
+        assert runner.run_round() == [] and runner.busy_skips == 1
+        time.sleep(0.3)  # longer than busy_max_wait_s since the first skip
+        assert bool(runner.run_round()) is probes_anyway, backend
+        assert runner.busy_skips == (0 if probes_anyway else 2)
