@@ -134,7 +134,7 @@ class ScheduleConfig:
     busy_retry_s: float = _f(30.0, min=0.0, max=86400.0)
     # CPU backend only (a trial run, no GPU to protect): after skipping rounds as busy for
     # this long, probe anyway, timing the contention (logged); 0 = wait as long as it takes.
-    busy_max_wait_s: float = _f(60.0, min=0.0, max=86400.0)
+    busy_max_wait_s: float = _f(30.0, min=0.0, max=86400.0)
     # Consecutive failed rounds before a device is marked down; retried with backoff.
     max_failures: int = _f(3, min=1, max=1000)
     max_backoff_s: float = _f(3600.0, min=1.0, max=86400.0)
