@@ -13,6 +13,16 @@ fits once per store in a fresh process and prints that process's peak RSS (VmHWM
                                  [--trees 100] [--keep DIR]
 
 Figures, not assertions. The store for the largest size takes about 30 s to build.
+
+``--leaf-sweep 0,8192,4096,2048`` instead measures what ``model.max_leaf_nodes`` (the
+bound on each tree's leaves, so on a forest's memory) costs in accuracy: gemmd's model with
+each bound on the shared GEMM data (bench/model.py's random 80/20 and unseen-shape splits,
+seed 42; B200 random only: its shapes are all distinct, the two splits coincide) and on a
+simulated week of an 8-GPU host (bench/soak.py's data: 20% of the exploration
+configurations held out), with each fitted model's node count and forest memory
+(scikit-learn's 72 bytes per node plus the 40 of the flat copy used for fast prediction).
+
+    python bench/refit_memory.py --leaf-sweep 0,8192,4096,2048 [--datasets b200,xla,...]
 """
 
 from __future__ import annotations
@@ -149,7 +159,14 @@ def main() -> None:
     ap.add_argument("--trees", type=int, default=100, help="model.n_estimators (default 100)")
     ap.add_argument("--keep", type=Path, help="build/reuse the stores in this folder")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "DB"), help=argparse.SUPPRESS)
+    ap.add_argument("--leaf-sweep", metavar="L,L,...",
+                    help="accuracy and forest size for these model.max_leaf_nodes (0 = none)")
+    ap.add_argument("--datasets", default="gpperf-cutlass,gpperf-tiled,xla,b200,fake-week")
     args = ap.parse_args()
+    if args.leaf_sweep:
+        leaf_sweep([int(v) for v in args.leaf_sweep.split(",")], args.datasets.split(","),
+                   args.trees)
+        return
     if args.child:
         child(args.child[0], args.child[1], args.trees)
         return
@@ -175,6 +192,87 @@ def main() -> None:
                   f"{res['train_rows']:,} | {res['load_mib']:.0f} / {res['peak_mib']:.0f} MiB | "
                   f"{res['base_mib']:.0f} MiB | {res['load_s']:.1f} / {res['seconds']:.1f} s |",
                   flush=True)
+
+
+# ------------------------------------------------------------------ the leaf bound
+
+
+def fake_week(days: int = 7) -> tuple[object, np.ndarray, np.ndarray]:
+    """bench/soak.py's simulated week of an 8-GPU host as the refit reads it (capped at
+    model.max_training_rows), with 20% of the exploration configurations held out."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import soak
+
+    from gemmd.config import ModelConfig
+    from gemmd.features import config_ids
+    from gemmd.registry import training_table
+    from gemmd.store import Store
+
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = Path(tmp) / "gemmd.yaml"
+        soak.write_config(conf, Path(tmp), 8, 10.0, {})
+        cfg, devices = soak.host_week(conf)
+        store = Store(Path(tmp) / "gemmd.db", check=False)
+        for d in devices:
+            store.upsert_device(d.info.uuid, d.info.index, d.info.name, "fake",
+                                dataclasses.asdict(d.info))
+        rng = np.random.default_rng(1)
+        for day in range(days):
+            store.insert_probes(soak.day_rows(cfg, devices, day, rng, time.time() - 8 * 86400))
+        t, _ = training_table(store, max_rows=ModelConfig().max_training_rows)
+        store.close()
+    gid = config_ids(t)
+    _, cnt = np.unique(gid, return_counts=True)
+    cfgs = np.flatnonzero(cnt == 1)  # exploration configurations (drawn once)
+    held = np.zeros(len(cnt), dtype=bool)
+    held[np.random.default_rng(42).choice(cfgs, len(cfgs) // 5, replace=False)] = True
+    test = np.flatnonzero(held[gid])
+    return t, np.setdiff1d(np.arange(len(t)), test), test
+
+
+def forest_size(model: object) -> tuple[int, float]:
+    """(nodes in all forests, MiB: 72 bytes per node in scikit-learn + 40 in the flat copy)"""
+    nodes = sum(e.tree_.node_count for rf in model.forests.values() for e in rf.estimators_)
+    return nodes, nodes * (72 + 40) / 2**20
+
+
+def leaf_sweep(leaves: list[int], names: list[str], trees: int) -> None:
+    from gemmd import datasets, evaluate
+    from gemmd.config import ModelConfig
+
+    data = datasets.shared_data_dir()
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}; n_estimators {trees}, shared data {data}")
+    print("| data | split | max_leaf_nodes | runtime MAPE / median APE | power | energy | "
+          "nodes (all forests) | forest memory | fit |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        if name == "fake-week":
+            t, train, test = fake_week()
+            splits = {"held-out exploration": (train, test)}
+        else:
+            if data is None:
+                print(f"| {name} | shared data not found | | | | | | | |")
+                continue
+            t = datasets.load_shared(name, data).table
+            kinds = ("random",) if name == "b200" else ("random", "shape")
+            splits = {k: evaluate.split(t, k) for k in kinds}
+        for kind, (train, test) in splits.items():
+            tr, te = t.take(train), t.take(test)
+            for leaf in leaves:
+                cfg = ModelConfig(min_samples=2, n_estimators=trees, max_leaf_nodes=leaf)
+                t0 = time.perf_counter()
+                m = evaluate.GemmdModel(cfg).fit(tr)
+                fit_s = time.perf_counter() - t0
+                sc = evaluate.score(te, m.predict_table(te))
+                cells = []
+                for target in ("runtime", "power", "energy"):
+                    g = sc.get(target, {})
+                    cells.append(f"{100 * g['mape']:.2f}% / {100 * g['median_ape']:.2f}%"
+                                 if g.get("n") else "-")
+                nodes, mib = forest_size(m.model)
+                print(f"| {name} | {kind} | {leaf or 'none'} | {' | '.join(cells)} | "
+                      f"{nodes:,} | {mib:.0f} MiB | {fit_s:.0f} s |", flush=True)
 
 
 if __name__ == "__main__":
