@@ -16,15 +16,17 @@ size and the model's training rows (from /metrics). Every refit, prune and drift
 re-reference is the daemon's own code, on every row of the simulated week.
 
     python bench/soak.py [--days 7] [--gpus 8] [--settle 3] [--set model.max_leaf_nodes=0]
-                         [--env MALLOC_ARENA_MAX=2] [--emulate-trim] [--flat-mb 100]
+                         [--env MALLOC_ARENA_MAX=2] [--emulate-trim] [--flat-mb 150]
                          [--json FILE] [--keep DIR]
 
 "Flat": over the last three simulated days and the ``--settle`` refits after the last
 day (the store no longer grows), the daemon's lowest RSS between samples (between refits:
 where it spends all but a minute of each hour with the default schedule) and its peak
-RSS (during a refit) each stay within ``--flat-mb`` (max - min, default 100 MB: about one
-refit's training table and one forest). The RSS sampled when a day's refits are done is
-shown too; refits run back to back here, so it falls at some point of the next one.
+RSS (during a refit) each stay within ``--flat-mb`` (max - min, default 150 MB: less than
+one more copy of a model kept, ~175 MB at the default bound, while the peak varies by ~100
+MB with what the refit in progress does: an accepted one also saves the model and re-takes
+drift references). The RSS sampled when a day's refits are done is shown too; refits run
+back to back here, so it falls at some point of the next one.
 Figures, not assertions: the exit status is 3 if RSS is not flat, 1 if the daemon failed.
 """
 
@@ -325,9 +327,9 @@ def main() -> int:
     ap.add_argument("--emulate-trim", action="store_true",
                     help="the daemon calls glibc's malloc_trim(0) after each refit (a "
                          "sitecustomize hook: measures that change before making it)")
-    ap.add_argument("--flat-mb", type=float, default=100.0,
+    ap.add_argument("--flat-mb", type=float, default=150.0,
                     help="flat: the lowest and the peak RSS of the last 3 days each within "
-                         "this (default 100 MB)")
+                         "this (default 150 MB)")
     ap.add_argument("--refit-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)

@@ -184,6 +184,10 @@ class Daemon:
     def refit(self) -> None:
         with self._refit_lock:
             self._refit()
+        # A refit frees hundreds of MB (training table, forests, cross-validation fits) that
+        # glibc keeps in the arena of the scheduler thread that ran it: RSS grew by about a
+        # refit's working set every few refits (bench/RESULTS.md, "Memory over a week").
+        release_freed_memory()
 
     def _refit(self) -> None:
         if self.stopping.is_set():
@@ -384,6 +388,24 @@ class Daemon:
             self._refit_lock.release()
         logger.info("stopped")
         return clean
+
+
+_malloc_trim: Any = None  # glibc's malloc_trim, False where there is none
+
+
+def release_freed_memory() -> None:
+    """Hand the heap the C allocator keeps after freeing back to the OS (glibc's
+    malloc_trim, which trims every thread's arena; a no-op with other C libraries)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
 
 
 def _measurement_from_row(row: dict) -> Measurement:
