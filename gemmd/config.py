@@ -499,12 +499,55 @@ def _check_web_config(path: str, errs: _Errors) -> None:
 
 def _check_reference(cfg: Config, errs: _Errors) -> None:
     ref, sha = cfg.model.reference, cfg.model.reference_sha256
-    if ref and not Path(ref).expanduser().is_file():
+    found = False
+    if ref and path_problem(ref):
+        errs.add("model.reference", f"{_short(ref)}: {path_problem(ref)}")
+    elif ref and not Path(ref).expanduser().is_file():
         errs.add("model.reference", f"{_short(ref)}: no such file")
+    else:
+        found = bool(ref)
     if sha and not re.fullmatch(r"[0-9a-fA-F]{64}", sha):
         errs.add("model.reference_sha256", "must be 64 hexadecimal digits (sha256sum)")
-    if sha and not ref:
+    elif sha and not ref:
         errs.add("model.reference_sha256", "set without model.reference")
+    elif sha and found:  # checked now, not only when the daemon loads it
+        digest = _sha256_of(Path(ref).expanduser())
+        if digest is not None and digest != sha.lower():
+            errs.add("model.reference_sha256", f"does not match {_short(ref)} (its sha256 is "
+                                               f"{digest}): the file changed, or the wrong "
+                                               "file is named")
+
+
+def _sha256_of(path: Path) -> str | None:
+    """The file's sha256, or None if it cannot be read (the daemon then says why)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # bytes in one file name and in a whole path (Linux)
+
+
+def path_problem(text: str) -> str | None:
+    """Why ``text`` cannot name a file (a NUL, a name or path longer than Linux allows),
+    or None. Checked before any stat(): those raise on such names instead of answering."""
+    if "\0" in text:
+        return "contains a NUL character"
+    raw = os.fsencode(text)
+    if len(raw) >= PATH_MAX:
+        return f"a path of {len(raw):,} bytes is longer than the {PATH_MAX - 1:,} allowed"
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        return (f"a file name of {len(longest):,} bytes is longer than the {NAME_MAX} "
+                "allowed")
+    return None
 
 
 def _check_config(cfg: Config, errs: _Errors) -> None:
@@ -528,6 +571,8 @@ def _check_config(cfg: Config, errs: _Errors) -> None:
             seen.add(d)
     if not cfg.state_dir.strip():
         errs.add("state_dir", "must not be empty (a directory, or 'auto')")
+    elif path_problem(cfg.state_dir):
+        errs.add("state_dir", f"{_short(cfg.state_dir)}: {path_problem(cfg.state_dir)}")
     measure = cfg.probes.measure
     budget = cfg.budget.duty_cycle * cfg.schedule.probe_interval_s
     one = measure.warmup_s + measure.window_s
@@ -895,8 +940,9 @@ def _lines(root: Any, paths: list[str]) -> dict[str, int]:
     return out
 
 
-def _read(path: str | Path) -> tuple[str, str]:
-    """(source name, text) of a configuration file, read within MAX_FILE_BYTES."""
+def read_file(path: str | Path) -> tuple[str, str]:
+    """(source name, text) of a configuration file (gemmd.yaml, --web.config.file,
+    --gpu-spec), read within MAX_FILE_BYTES: ConfigError for anything else."""
     source = str(path)
     if not source:
         raise ConfigError("''", ["cannot read: the file name is empty"])
@@ -917,8 +963,9 @@ def _read(path: str | Path) -> tuple[str, str]:
         raise ConfigError(source, [f"not UTF-8 text (line {line}): {e}"]) from e
 
 
-def _read_yaml(text: str, source: str) -> tuple[Any, Any]:
-    """(data, root node) of one YAML document; every failure is a ConfigError."""
+def read_yaml(text: str, source: str) -> tuple[Any, Any]:
+    """(data, root node) of one YAML document, within MAX_DEPTH, MAX_VALUES and
+    MAX_PARSE_S, duplicate keys refused; every failure is a ConfigError."""
     loader, root = None, None
     try:
         loader = _Loader(text)  # the pure-Python reader checks every character here
@@ -956,8 +1003,8 @@ def load(path: str | Path | None) -> Config:
     and, where known, its line."""
     if path is None:
         return Config()
-    source, text = _read(path)
-    data, root = _read_yaml(text, source)
+    source, text = read_file(path)
+    data, root = read_yaml(text, source)
     listen = data.get("listen") if isinstance(data, dict) else None
     web = listen.get("web_config_file") if isinstance(listen, dict) else None
     if isinstance(listen, dict) and isinstance(web, str) and web and \

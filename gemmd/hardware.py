@@ -507,23 +507,21 @@ def _positive(v: Any, where: str, allow_none: bool = False) -> Any:
 def load_gpu_specs(path: str | Path, catalogue: Catalogue | None = None) -> list[GpuSpec]:
     """GPU descriptions from a YAML or JSON file: one mapping, a list of them, or
     ``{gpus: [...]}`` (see spec_from_mapping for the fields). SpecError on any problem."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not UTF-8 text") from e
-    try:
-        if path.suffix.lower() == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
+    from gemmd.config import read_file, read_yaml  # the hardened reader of gemmd.yaml
+    from gemmd.errors import ConfigError
 
-            doc = yaml.safe_load(text)
-    except Exception as e:  # json/yaml raise several types on bad syntax
-        raise SpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    path = Path(path)
+    try:  # bounded: /dev/zero, a FIFO or a huge file is refused, not read forever
+        source, text = read_file(path)
+        if path.suffix.lower() == ".json":
+            try:
+                doc = json.loads(text)
+            except (ValueError, RecursionError) as e:
+                raise SpecError(f"{path}: not valid JSON: {str(e)[:200]}") from None
+        else:
+            doc = read_yaml(text, source)[0]
+    except ConfigError as e:
+        raise SpecError(f"{path}: {e.problems[0]}") from None
     if isinstance(doc, Mapping) and "gpus" in doc:
         if set(doc) != {"gpus"}:
             raise SpecError(f"{path}: next to 'gpus' there should be nothing else")

@@ -180,11 +180,41 @@ def test_progress_bar_only_on_a_terminal():
     (["evaluate", "--jobs", "1000000000000", "FILE"], "--jobs 1000000000000 is outside 1.."),
     (["fit", "FILE", "--out", "/dev/full"], "--out /dev/full: exists and is not a regular"),
     (["fit", "FILE", "--out", "/proc/gemmd.skops"], "--out /proc/gemmd.skops: cannot write"),
+    (["fit", "FILE", "--out", "/sys/gemmd.skops"], "--out /sys/gemmd.skops: cannot write in"),
     (["fit", "FILE", "--out", "FILE/model.skops"], "is not a directory"),
     (["fit", "FILE", "--out", "DIR"], "exists and is not a regular file"),
     (["fit", "FILE", "--out", ""], "--out must not be empty"),
     (["predict", "64", "64", "64", "--dtype", "fp32", "--device", ""],
      "--device must not be empty"),
+    # found by bench/fuzz_cli.py: tracebacks (File name too long), a state dir in the cwd,
+    # an endless --gpu-spec read until the kernel killed gemmd
+    (["fit", "FILE", "--out", "x" * 5000], "a path of 5,000 bytes is longer than the 4,095"),
+    (["report", "--fleet", "--out", "y" * 300 + ".html"], "a file name of 305 bytes is longer"),
+    (["predict", "64", "64", "64", "--dtype", "fp32", "--model", "m" * 256],
+     "a file name of 256 bytes is longer than the 255 allowed"),
+    (["import", "f" * 4100], "FILE ffff"),
+    (["advise", "64", "64", "64", "--gpu-spec", "/dev/full"],
+     "--gpu-spec /dev/full: larger than 1024 KiB"),
+    (["evaluate", "FILE", "--gpu-spec", "/dev/zero"], "--gpu-spec /dev/zero: larger than"),
+    (["evaluate", "FILE", "--gpu-spec", "DIR"], "cannot read: Is a directory"),
+    (["run", "--config", "bad\nname"], "bad\\nname: cannot read"),
+    (["predict", "64", "64", "64", "--dtype", "fp32", "--stages", "1" * 400],
+     "--stages 1111"),  # OverflowError traceback
+    (["predict", "64", "64", "64", "--dtype", "fp32", "--alpha", "nan"],
+     "--alpha nan: not a finite number"),  # was accepted
+    (["predict", "64", "64", "64", "--dtype", "fp32", "--beta=-inf"],
+     "--beta -inf: not a finite number"),
+    (["advise", "64", "64", "64", "--top", "-1"], "--top -1 is outside 1..100000"),
+    (["predict", "64", "64", "64", "--dtype", "fp32", "--gpu", ""],
+     "--gpu must not be empty"),  # was ignored
+    (["import", "FILE", "--gpu", " "], "--gpu must not be empty"),
+    (["report", "--fleet", "--days", "1e12"], "--days 1e+12: must be a number of days in (0, "
+                                              "36,500]"),  # OSError traceback
+    (["report", "--fleet", "--out", ""], "--out: no file given"),  # wrote gemmd-fleet.html
+    (["report", "--fleet", "--gpu", "h100-sxm"], "--fleet reads the daemon's store: give no "
+                                                 "--gpu"),  # was ignored
+    (["export", "--out", " "], "--out must not be empty"),  # wrote a file named ' '
+    (["export", "--all-sources", "--source", "x"], "--source NAME or --all-sources, not both"),
 ])
 def test_hostile_arguments_are_one_line_errors(capsys, env, argv, gist):
     """Each was a traceback, or silently did something else (issue 12)."""
@@ -194,6 +224,23 @@ def test_hostile_arguments_are_one_line_errors(capsys, env, argv, gist):
     rc, out, err = run(capsys, *argv, *sd)
     assert rc in (1, 2) and gist in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+
+
+@pytest.mark.parametrize("value, gist", [
+    ("", "state_dir: must not be empty"),  # was the working directory
+    ("s" * 5000, "a path of 5,000 bytes is longer than the 4,095 allowed"),  # traceback
+    ("a/" + "s" * 300, "a file name of 300 bytes is longer than the 255 allowed"),
+])
+@pytest.mark.parametrize("command", [["status"], ["rebaseline"], ["run"], ["import", "FILE"]])
+def test_a_state_dir_that_cannot_exist_is_one_line(capsys, env, monkeypatch, command, value,
+                                                   gist):
+    tmp, f, _ = env
+    monkeypatch.chdir(tmp)
+    before = sorted(tmp.iterdir())
+    argv = [str(f) if a == "FILE" else a for a in command]
+    rc, out, err = run(capsys, *argv, "--state-dir", value)
+    assert rc == 2 and gist in err and err.count("\n") == 1, err
+    assert sorted(tmp.iterdir()) == before  # nothing made in the working directory
 
 
 def test_an_imported_runtime_that_underflows_to_zero_is_refused(capsys, env, tmp_path):

@@ -128,7 +128,7 @@ gpus:
     ("name: X\nbase: nope", "base: unknown GPU 'nope'"),
     ("name: X\ncolour: red\nbase: l4", "unknown field colour"),
     ("- 1\n- 2", "expected a mapping of fields"),
-    ("peak_tflops: [", "not valid YAML"),
+    ("peak_tflops: [", "line 2, column 1: invalid YAML"),
 ])
 def test_gpu_spec_errors_name_the_field(tmp_path, text, gist):
     f = tmp_path / "bad.yaml"
@@ -136,3 +136,24 @@ def test_gpu_spec_errors_name_the_field(tmp_path, text, gist):
     with pytest.raises(SpecError) as e:
         hardware.load_gpu_specs(f)
     assert gist in str(e.value) and str(f) in str(e.value)
+
+
+@pytest.mark.parametrize("make, gist", [
+    (lambda d: "/dev/zero", "larger than 1024 KiB"),  # was read until the OOM killer came
+    (lambda d: str(d), "cannot read: Is a directory"),
+    (lambda d: _write(d / "bomb.yaml", "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))),
+     "aliases expand the document beyond"),
+    (lambda d: _write(d / "dup.yaml", "name: X\nbandwidth_gbs: 1\nname: Y\n"), "duplicate key"),
+    (lambda d: _write(d / "deep.json", "[" * 100000 + "]" * 100000), "not valid JSON"),
+])
+def test_gpu_spec_files_are_read_as_carefully_as_the_config(tmp_path, make, gist):
+    path = make(tmp_path)
+    with pytest.raises(SpecError) as e:
+        hardware.load_gpu_specs(path)
+    assert gist in str(e.value) and str(path) in str(e.value)
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

@@ -458,7 +458,7 @@ def test_fleet_report_warns_on_few_results_and_selects_devices(tmp_path):
     assert f"rests on fewer than {report.MIN_ROWS} results of rf-1" in html
     with pytest.raises(InputError, match=r"^--device 7: is no device in the store \(known: "):
         report.write_fleet(tmp_path / "f.html", state_dir=state, devices=["7"])
-    with pytest.raises(InputError, match="--days 0: must be a positive"):
+    with pytest.raises(InputError, match=r"--days 0: must be a number of days in \(0, 36,500\]"):
         report.write_fleet(tmp_path / "f.html", state_dir=state, days=0)
 
 

@@ -87,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     except ConfigError as e:
         for problem in e.problems:
-            print(f"gemmd: config error: {e.source}: {_one_line(problem)}", file=sys.stderr)
+            print(f"gemmd: config error: {_one_line(e.source)}: {_one_line(problem)}",
+                  file=sys.stderr)
         return EXIT_CONFIG
     except GemmdError as e:
         print(f"gemmd: error: {_one_line(str(e))}", file=sys.stderr)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gemmd.config import BACKENDS, Config
+from gemmd.config import BACKENDS, Config, path_problem
 from gemmd.gemm import DATA_KERNELS, DTYPES, KERNELS, LAYOUTS
 
 EXIT_RUNTIME = 1  # a device, store or listen failure, a bad file, a failed probe
@@ -19,8 +21,8 @@ EXIT_CONFIG = 2  # a configuration or usage error
 
 __all__ = ["BACKENDS", "DATA_KERNELS", "DTYPES", "EXIT_CONFIG", "EXIT_RUNTIME", "KERNELS",
            "LAYOUTS", "LOG_LEVELS", "UsageError", "common_options", "data_options",
-           "default_config", "format_choices", "gpu_spec_option", "int_range", "mnk", "model_out",
-           "nonempty"]
+           "default_config", "finite", "format_choices", "gpu_spec_option", "int_range", "mnk",
+           "model_out", "nonempty", "path_arg", "shown"]
 
 
 class UsageError(Exception):
@@ -82,6 +84,22 @@ def int_range(what: str, lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def finite(what: str) -> Callable[[str], float]:
+    """An argparse type: a finite number (no nan, no inf, nothing beyond a double)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} {shown(text)!r} is not a number") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{what} {shown(text)}: not a finite number")
+        return v
+
+    parse.__name__ = what
+    return parse
+
+
 def nonempty(what: str) -> Callable[[str], str]:
     """An argparse type: any text but an empty (or blank) one."""
 
@@ -94,19 +112,43 @@ def nonempty(what: str) -> Callable[[str], str]:
     return parse
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """A value as an error message quotes it: at most ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit - 25]}... ({len(text):,} characters)"
+
+
+def path_arg(what: str) -> Callable[[str], str]:
+    """An argparse type: a file name that can exist (not blank, no NUL, within the name
+    and path lengths Linux allows; stat() raises on the others instead of answering)."""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{what} must not be empty")
+        problem = path_problem(text)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{what} {shown(text)}: {problem}")
+        return text
+
+    parse.__name__ = what
+    return parse
+
+
 def model_out(text: str) -> Path:
     """--out of fit: a new or regular file in an existing, writable directory (checked
     before a fit of minutes, not after; never a device node such as /dev/full)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("--out must not be empty")
-    path = Path(text)
+    path = Path(path_arg("--out")(text))
     if path.exists() and not path.is_file():
         raise argparse.ArgumentTypeError(f"--out {text}: exists and is not a regular file")
     parent = path.parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"--out {text}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"--out {text}: {parent} is not writable")
+    try:  # the one reliable test (root passes os.access on /proc and /sys): make a file
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".gemmd-fit-", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"--out {text}: cannot write in {parent}: "
+                                         f"{e.strerror or e}") from None
     return path
 
 
@@ -131,7 +173,7 @@ def common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument("-c", "--config", default=default(default_config()),
                         help="configuration file (default: $GEMMD_CONFIG, "
                              "/etc/gemmd/gemmd.yaml, else built-in defaults)")
-    parser.add_argument("--state-dir", type=Path, default=default(None),
+    parser.add_argument("--state-dir", default=default(None),  # checked as state_dir is
                         help="override state_dir")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default=default(None))
 
@@ -139,19 +181,21 @@ def common_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
 def gpu_spec_option(p: argparse.ArgumentParser) -> None:
     """--gpu-spec FILE (repeatable): GPUs the catalogue lacks (context.gpu_catalog)."""
     p.add_argument("--gpu-spec", action="append", default=[], metavar="FILE",
+                   type=path_arg("--gpu-spec"),
                    help="YAML/JSON file describing GPUs the catalogue lacks (name, "
                         "peak_tflops per dtype, bandwidth_gbs...; see docs/model.md)")
 
 
 def data_options(p: argparse.ArgumentParser) -> None:
     """FILE... or --source NAME (the data of fit, evaluate and report), --jobs."""
-    p.add_argument("files", nargs="*", metavar="FILE", help="measurement files (default: "
-                   "the store, see --source)")
+    p.add_argument("files", nargs="*", metavar="FILE", type=path_arg("FILE"),
+                   help="measurement files (default: the store, see --source)")
     p.add_argument("--format", choices=format_choices(), default="auto",
                    help="format of FILE (default: detected from the header)")
-    p.add_argument("--gpu", help="GPU the rows ran on, for files without a GPU column (a "
-                   "file that names its GPU and a different --gpu is an error): a catalogue "
-                   "key or the name nvidia-smi prints, e.g. a100-sxm-80gb, 'NVIDIA L4'")
+    p.add_argument("--gpu", type=nonempty("--gpu"),
+                   help="GPU the rows ran on, for files without a GPU column (a file that "
+                        "names its GPU and a different --gpu is an error): a catalogue key or "
+                        "the name nvidia-smi prints, e.g. a100-sxm-80gb, 'NVIDIA L4'")
     gpu_spec_option(p)
     p.add_argument("--source", action="append", default=[], metavar="NAME",
                    help="store source to use (repeatable; default: daemon)")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gemmd.cli.args import UsageError
+from gemmd.cli.args import UsageError, shown
 from gemmd.config import Config, check, load
 from gemmd.errors import GemmdError, InputError
 
@@ -30,8 +30,8 @@ def load_config(args: argparse.Namespace) -> Config:
     """The configuration of --config, with --state-dir and --backend applied (checked)."""
     cfg = load(args.config)
     over: dict[str, Any] = {}
-    if getattr(args, "state_dir", None):
-        over["state_dir"] = str(args.state_dir)
+    if getattr(args, "state_dir", None) is not None:  # '' is refused, not the cwd
+        over["state_dir"] = args.state_dir
     if getattr(args, "backend", None):
         over["backend"] = args.backend
     if over:
@@ -42,7 +42,7 @@ def load_config(args: argparse.Namespace) -> Config:
 def checked(cfg: Config, options: dict[str, Any]) -> Config:
     """A config changed by command-line options, checked by the rules of a file."""
     return check(cfg, "command line (" + ", ".join(
-        f"{k}={v}" for k, v in options.items()) + ")")
+        f"{k}={shown(str(v), 60)}" for k, v in options.items()) + ")")
 
 
 def setup_logging(level: str) -> None:

@@ -9,7 +9,15 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gemmd.cli.args import DTYPES, UsageError, format_choices, gpu_spec_option, int_range
+from gemmd.cli.args import (
+    DTYPES,
+    UsageError,
+    format_choices,
+    gpu_spec_option,
+    int_range,
+    nonempty,
+    path_arg,
+)
 from gemmd.cli.context import gpu_catalog, load_config, open_or_create_store, open_store, store_path
 from gemmd.errors import InputError
 
@@ -95,6 +103,8 @@ def _g(v: Any, factor: float = 1.0) -> Any:
 def cmd_export(args: argparse.Namespace) -> int:
     import csv
 
+    if args.all_sources and args.source:
+        raise UsageError("give --source NAME or --all-sources, not both")
     sources = None if args.all_sources else (args.source or ["daemon"])
     store = open_store(load_config(args))
     try:
@@ -161,11 +171,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     i = sub.add_parser("import", parents=[common], help="bring measurements into the store")
-    i.add_argument("files", nargs="+", metavar="FILE")
+    i.add_argument("files", nargs="+", metavar="FILE", type=path_arg("FILE"))
     i.add_argument("--format", choices=format_choices(), default="auto")
     i.add_argument("--name", help="source name (default: the format's name)")
-    i.add_argument("--gpu", help="GPU of the rows when the file has no GPU column (a file "
-                   "that names its GPU and a different --gpu is an error)")
+    i.add_argument("--gpu", type=nonempty("--gpu"),
+                   help="GPU of the rows when the file has no GPU column (a file that names "
+                        "its GPU and a different --gpu is an error)")
     gpu_spec_option(i)
     i.set_defaults(func=cmd_import)
 
@@ -176,8 +187,9 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     x.add_argument("--all-sources", action="store_true", help="every source")
     x.add_argument("--include-flagged", action="store_true",
                    help="also results taken while a device was flagged as drifting")
-    x.add_argument("--out", default="-", help="output file (default: stdout); *.parquet "
-                                              "writes Parquet if pyarrow is installed")
+    x.add_argument("--out", default="-", type=path_arg("--out"),
+                   help="output file (default: stdout); *.parquet writes Parquet if pyarrow "
+                        "is installed")
     x.set_defaults(func=cmd_export)
 
     pn = sub.add_parser("prune", parents=[common],

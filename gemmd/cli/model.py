@@ -24,11 +24,13 @@ from gemmd.cli.args import (
     LAYOUTS,
     UsageError,
     data_options,
+    finite,
     gpu_spec_option,
     int_range,
     mnk,
     model_out,
     nonempty,
+    path_arg,
 )
 from gemmd.cli.context import (
     gpu_catalog,
@@ -457,14 +459,16 @@ def _gemm_options(p: argparse.ArgumentParser, dtype_required: bool) -> None:
     p.add_argument("k", type=dim)
     p.add_argument("--dtype", choices=DTYPES, required=dtype_required)
     p.add_argument("--batch", type=dim, default=1)
-    p.add_argument("--model", type=Path, help="model file (default: what the daemon "
-                                              "predicts with: the store's active model, else "
-                                              "the roofline estimate)")
-    p.add_argument("--gpu", help="a GPU of the catalogue (gemmd/hardware.py: V100 to B300, "
-                                 "RTX 4070/4090/6000 Ada, MI300X/MI355X; key or nvidia-smi "
-                                 "name) or of --gpu-spec")
+    p.add_argument("--model", type=path_arg("--model"),
+                   help="model file (default: what the daemon predicts with: the store's "
+                        "active model, else the roofline estimate)")
+    p.add_argument("--gpu", type=nonempty("--gpu"),
+                   help="a GPU of the catalogue (gemmd/hardware.py: V100 to B300, RTX "
+                        "4070/4090/6000 Ada, MI300X/MI355X; key or nvidia-smi name) or of "
+                        "--gpu-spec")
     gpu_spec_option(p)
     p.add_argument("--calibrate", action="append", default=[], metavar="FILE",
+                   type=path_arg("--calibrate"),
                    help="measurements of the device (any format gemmd reads): carry the "
                         "model over to it, a device-wide then per dtype/kernel correction "
                         "(repeatable)")
@@ -494,15 +498,17 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--tile", type=int_range("tile", 1, 32),
                    help="tile edge of the tiled kernel")
     p.add_argument("--cta", type=mnk("cta", "128x128x32"), help="CUTLASS CTA tile MxNxK")
-    p.add_argument("--stages", type=int)
+    p.add_argument("--stages", type=int_range("--stages", 1, 32),
+                   help="CUTLASS pipeline stages")
     p.add_argument("--layout", choices=LAYOUTS, default="nn")
-    p.add_argument("--alpha", type=float, default=1.0)
-    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--alpha", type=finite("--alpha"), default=1.0)
+    p.add_argument("--beta", type=finite("--beta"), default=0.0)
     p.add_argument("--out-dtype", choices=DTYPES)
     p.set_defaults(func=cmd_predict)
 
     a = sub.add_parser("advise", parents=[common],
                        help="fastest and most energy-efficient known configuration")
     _gemm_options(a, dtype_required=False)
-    a.add_argument("--top", type=int, default=10, help="configurations listed (default 10)")
+    a.add_argument("--top", type=int_range("--top", 1, 100_000), default=10,
+                   help="configurations listed (default 10)")
     a.set_defaults(func=cmd_advise)

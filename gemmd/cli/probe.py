@@ -101,8 +101,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
             for reason, n in rt.state.devices[d.info.uuid].skipped_total.items():
                 if n and reason not in ("duty_cycle",):
                     skipped[reason] = skipped.get(reason, 0) + n
-                    print(f"{device_label(d.info)}: {n} probe(s) skipped: {reason}",
-                          file=sys.stderr)
+                    print(f"gemmd: warning: {device_label(d.info)}: {n} probe(s) skipped: "
+                          f"{reason}", file=sys.stderr)
     if not rows:
         busy = sorted(set(skipped) - {"unsupported", "device_down"})
         hint = f" (busy: {', '.join(busy)}; --force probes a busy device anyway)" \

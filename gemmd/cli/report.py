@@ -18,15 +18,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     if args.fleet:
-        if args.files or args.source:
-            raise UsageError("--fleet reads the daemon's store: give no FILE or --source")
-        out = report.check_out(args.out or "gemmd-fleet.html")
+        given = [o for o, v in (("FILE", args.files), ("--source", args.source),
+                                ("--gpu", args.gpu), ("--gpu-spec", args.gpu_spec)) if v]
+        if given:
+            raise UsageError(f"--fleet reads the daemon's store: give no {', '.join(given)}")
+        out = report.check_out("gemmd-fleet.html" if args.out is None else args.out)
         path = report.write_fleet(out, state_dir=cfg.resolved_state_dir(), drift_cfg=cfg.drift,
                                   model_cfg=cfg.model, days=args.days, devices=args.device)
     else:
         if args.device:
             raise UsageError("--device selects GPUs of the fleet report: add --fleet")
-        out = report.check_out(args.out or "gemmd-report.html")  # before loading or fitting
+        out = report.check_out("gemmd-report.html" if args.out is None else args.out)  # first
         ds = load_dataset(args, cfg)
         bar = Progress(report.work_units(), "report")
         try:

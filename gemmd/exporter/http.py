@@ -180,10 +180,10 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     key or CA files, a certificate that does not match its key, unknown client_auth_type,
     TLS versions or cipher suites, password hashes that are not bcrypt, headers
     exporter-toolkit does not allow, unknown keys."""
-    from gemmd.config import _read, _read_yaml  # the hardened YAML reader of gemmd.yaml
+    from gemmd.config import read_file, read_yaml  # the hardened reader of gemmd.yaml
 
-    source, text = _read(os.fspath(path))
-    data, _ = _read_yaml(text, source)
+    source, text = read_file(os.fspath(path))
+    data, _ = read_yaml(text, source)
     base = Path(source).resolve().parent
     problems: list[str] = []
     if data is None:

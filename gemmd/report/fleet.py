@@ -139,6 +139,9 @@ def probe_label(s: ProbeSpec) -> str:
     return f"{shape_name(s.m, s.n, s.k, s.dtype)} {kern} {s.layout}"
 
 
+MAX_DAYS = 36_500  # a century: more than any store keeps
+
+
 def write_fleet(out: str | Path, *, state_dir: Path, drift_cfg: DriftConfig | None = None,
                 model_cfg: ModelConfig | None = None, days: float = 7.0,
                 devices: Sequence[str] | None = None, source: str = "daemon") -> Path:
@@ -149,8 +152,8 @@ def write_fleet(out: str | Path, *, state_dir: Path, drift_cfg: DriftConfig | No
     a read-only connection, the drift state and model files are only read. Raises
     InputError or StoreError (one line)."""
     path = check_out(out)
-    if not (days > 0 and math.isfinite(days)):
-        raise InputError(f"--days {days}: must be a positive number of days")
+    if not 0 < days <= MAX_DAYS:  # nan fails too; 1e12 days overflowed datetime
+        raise InputError(f"--days {days:g}: must be a number of days in (0, {MAX_DAYS:,}]")
     drift_cfg = drift_cfg or DriftConfig()
     model_cfg = model_cfg or ModelConfig()
     state_dir = Path(state_dir)

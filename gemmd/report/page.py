@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import gemmd
+from gemmd.config import path_problem
 from gemmd.errors import InputError
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ def check_out(out: str | Path) -> Path:
     text = str(out)
     if not text.strip():
         raise InputError("--out: no file given (an .html path)")
+    problem = path_problem(text)
+    if problem:
+        raise InputError(f"--out {text[:60]}...: {problem}" if len(text) > 80 else
+                         f"--out {text}: {problem}")
     path = Path(text)
     if path.is_dir():
         raise InputError(f"--out {text}: is a directory; give an .html file to write")
