@@ -673,6 +673,21 @@ def budget_warnings(cfg: Config) -> list[str]:
             f"about every {rounds} rounds ({rounds * cfg.schedule.probe_interval_s:g} s)"]
 
 
+def warnings(cfg: Config) -> list[str]:
+    """What a valid configuration does that its author may not expect: the budget's
+    effect on the plan (budget_warnings), and a model that can never be fitted."""
+    out = budget_warnings(cfg)
+    model = cfg.model
+    for limit, name in ((model.max_training_rows, "model.max_training_rows"),
+                        (cfg.store.max_rows, "store.max_rows")):
+        if limit and model.min_samples > limit:
+            out.append(f"model.min_samples {model.min_samples:,} is more than {name} "
+                       f"{limit:,}: no refit will ever fit a model (predictions stay "
+                       "the roofline estimate or model.reference)")
+            break
+    return out
+
+
 def check(cfg: Config, source: str) -> Config:
     """Validate a Config built or changed in code (e.g. by command-line overrides) by the
     same rules as a file: ranges, choices and cross-checks. Raises ConfigError."""

@@ -273,18 +273,18 @@ class Daemon:
             self._model_noted = current.version
 
     def _save_drift(self) -> None:
-        try:
-            with self.state.lock:
+        with self.state.lock:  # rounds of several devices save at once: one line, not two
+            try:
                 self.state.drift.save()
-        except OSError as e:
-            if not self._drift_save_failing:  # once per episode, not after every round
-                logger.error("cannot save drift state: %s (kept in memory; retried after "
-                             "every round)", e)
-            self._drift_save_failing = True
-            return
-        if self._drift_save_failing:
-            logger.warning("drift state saved again")
-            self._drift_save_failing = False
+            except OSError as e:
+                if not self._drift_save_failing:  # once per episode, not after every round
+                    logger.error("cannot save drift state: %s (kept in memory; retried "
+                                 "after every round)", e)
+                self._drift_save_failing = True
+                return
+            if self._drift_save_failing:
+                logger.warning("drift state saved again")
+                self._drift_save_failing = False
 
     def rereference(self) -> None:
         """Re-take drift references under the current model from stored healthy results.

@@ -67,6 +67,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gemmd.config import DriftConfig
+from gemmd.errors import naming
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 
 logger = logging.getLogger(__name__)
@@ -796,6 +797,9 @@ class DriftMonitor:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f)
             os.replace(tmp, self.path)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise naming(e, self.path) from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

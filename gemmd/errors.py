@@ -47,3 +47,12 @@ class InputError(GemmdError):
 
 class ProbeCancelled(GemmdError):
     """Shutdown was requested while a probe was running; its result is discarded."""
+
+
+def naming(e: OSError, path: object) -> OSError:
+    """``e`` with the file it was about: a write that fails for a full disk (ENOSPC) or
+    an I/O error carries no file name, and "No space left on device" alone does not say
+    where."""
+    if e.filename is not None:
+        return e
+    return type(e)(e.errno, e.strerror or str(e), str(path))

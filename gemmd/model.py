@@ -32,7 +32,7 @@ import numpy as np
 from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.devices.base import DeviceInfo
-from gemmd.errors import ModelError
+from gemmd.errors import ModelError, naming
 from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.hardware import gpu_model_key
@@ -954,6 +954,9 @@ class ForestModel:
                 os.fsync(f.fileno())
             digest = _sha256(tmp)
             os.replace(tmp, path)
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise naming(e, path) from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -164,6 +164,7 @@ EVENT_KINDS = ("alarm", "clear", "rebaseline", "model", "refit_rejected")
 # The newest events kept (besides store.retention_days): alarms are rare, but a bound is a
 # bound.
 MAX_EVENTS = 100_000
+MIN_FREE_BYTES = 1 << 20  # an I/O error with less free than this names the full disk
 
 # What a model fit reads from a probe row (no context, no prediction columns), and the
 # configuration that makes two rows repeats of one another (features.CONFIG_KEYS + device).
@@ -249,7 +250,7 @@ class Store:
         except BaseException as e:
             self._db.close()
             if isinstance(e, sqlite3.Error):
-                raise StoreError(f"cannot open store {self.path}: {e}") from e
+                raise StoreError(f"cannot open store {self.path}: {e}{self._space(e)}") from e
             raise
 
     # ------------------------------------------------------------- checks on open
@@ -269,6 +270,9 @@ class Store:
         try:
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as e:
+            if getattr(e, "sqlite_errorname", "SQLITE_NOTADB") != "SQLITE_NOTADB":
+                # An I/O error (a full disk: no room for the -shm) is not a damaged file.
+                raise StoreError(f"cannot read store {self.path}: {e}{self._space(e)}") from e
             raise StoreError(f"store {self.path} is not a SQLite database: {e}") from e
         if version > SCHEMA_VERSION:
             raise StoreError(f"store {self.path} has schema version {version}, newer than this "
@@ -474,14 +478,7 @@ class Store:
         most once per FLAP_S while they fail and recover over and over)."""
         name = getattr(e, "sqlite_errorname", "") or type(e).__name__
         full = name.startswith("SQLITE_FULL") or "is full" in str(e)
-        detail = f"{e}"
-        if full:
-            try:
-                du = shutil.disk_usage(self.path.parent)
-                detail += (f": {_size(du.free)} free of {_size(du.total)} on the filesystem of "
-                           f"{self.path.parent}")
-            except OSError:
-                pass
+        detail = f"{e}{self._space(e, always=full)}"
         now = _clock()
         if not self._failed_writes:
             self._failing_since = now
@@ -501,6 +498,19 @@ class Store:
             logger.debug("store %s: %s failed: %s", self.path, what, detail)
         return StoreWriteError(f"store {self.path}: {what} failed: {detail}", reported=True,
                                full=full)
+
+    def _space(self, e: BaseException, always: bool = False) -> str:
+        """': 0 B free of 3 MiB on the filesystem of DIR' where a full disk may be the cause
+        of ``e`` (SQLITE_FULL, or an I/O error with under MIN_FREE_BYTES left), else ''."""
+        try:
+            du = shutil.disk_usage(self.path.parent)
+        except OSError:
+            return ""
+        io = getattr(e, "sqlite_errorname", "").startswith(("SQLITE_IOERR", "SQLITE_CANTOPEN"))
+        if always or (io and du.free < MIN_FREE_BYTES):
+            return (f": {_size(du.free)} free of {_size(du.total)} on the filesystem of "
+                    f"{self.path.parent}" + ("" if always else " (full?)"))
+        return ""
 
     def _write_ok(self) -> None:
         self._failing = None

@@ -1,5 +1,6 @@
 """Configuration loading and validation (gemmd/config.py) and `gemmd check-config`."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -540,7 +541,39 @@ SEMANTIC = [
                  id="address-brackets"),
     pytest.param({"listen": {"address": "a" * 64}}, "listen.address", "not an IP address",
                  id="address-label-too-long"),
+    # stat() raised on these instead of answering (a traceback)
+    pytest.param({"state_dir": "s" * 300}, "state_dir", "a file name of 300 bytes",
+                 id="state-dir-name-too-long"),
+    pytest.param({"model": {"reference": "r" * 5000}}, "model.reference",
+                 "a path of 5,000 bytes", id="reference-path-too-long"),
 ]
+
+
+@pytest.mark.parametrize("data, gist", [
+    ({"model": {"min_samples": 5000, "max_training_rows": 100}},
+     "more than model.max_training_rows 100"),
+    ({"model": {"min_samples": 5000}, "store": {"max_rows": 100}}, "more than store.max_rows 100"),
+])
+def test_a_model_that_can_never_be_fitted_is_a_warning(tmp_path, data, gist):
+    """Valid (a test or a reference-only host may want no fit of its own), but said by
+    check-config and logged by gemmd run at start (issue 12 audit: it passed silently)."""
+    assert any(gist in w for w in config.warnings(parse(data)))
+    assert config.warnings(parse({})) == []
+    f = tmp_path / "g.yaml"
+    f.write_text(yaml.safe_dump(data))
+    r = subprocess.run([sys.executable, "-m", "gemmd", "check-config", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and f"gemmd: warning: model.min_samples 5,000 is {gist}" in r.stderr
+
+
+def test_a_reference_sha256_that_does_not_match_the_file_is_refused_at_check(tmp_path):
+    ref = tmp_path / "fleet.skops"
+    ref.write_bytes(b"a model")
+    good = hashlib.sha256(b"a model").hexdigest()
+    assert parse({"model": {"reference": str(ref), "reference_sha256": good.upper()}})
+    problems = problems_of({"model": {"reference": str(ref), "reference_sha256": "0" * 64}})
+    assert len(problems) == 1 and problems[0].startswith("model.reference_sha256: does not "
+                                                         "match") and good in problems[0]
 
 
 @pytest.mark.parametrize("data, path, gist", SEMANTIC)

@@ -185,6 +185,39 @@ def test_refit_and_drift_save_on_a_full_disk_log_one_line_each(tmp_path, caplog,
         d.stop()
 
 
+def test_a_full_disk_names_the_file_a_refit_or_drift_save_could_not_write(tmp_path, caplog,
+                                                                          monkeypatch):
+    """A real ENOSPC from write() carries no file name ("No space left on device" alone,
+    seen on a full tmpfs): the log line must still say which file."""
+    import types
+
+    import skops.io
+
+    import gemmd.drift
+    from gemmd.daemon import Daemon
+
+    def enospc(*a, **k):
+        raise OSError(28, "No space left on device")  # no filename, as write() gives
+
+    d = Daemon(_cfg(tmp_path))
+    try:
+        for _ in range(3):
+            d.runners[0].run_round()
+        monkeypatch.setattr(skops.io, "dump", enospc)
+        monkeypatch.setattr(gemmd.drift, "json", types.SimpleNamespace(dump=enospc))
+        caplog.set_level(logging.INFO)
+        d.refit()
+        d._save_drift()
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 2, errors
+        assert any(e.startswith("refit failed: No space left on device: ") and
+                   str(tmp_path) in e and e.endswith(".skops") for e in errors), errors
+        assert any("cannot save drift state" in e and "drift.json" in e for e in errors)
+        assert not list(tmp_path.rglob(".drift-*")) and not list(tmp_path.rglob(".tmp-*"))
+    finally:
+        d.stop()
+
+
 # ---------------------------------------------------------------- bounded refits
 
 

@@ -595,3 +595,33 @@ def test_events_are_pruned_with_the_daemons_probes_and_bounded(store, monkeypatc
     monkeypatch.setattr(store_mod, "MAX_EVENTS", 3)
     store.prune(retention_days=None, max_rows=None, now=now)
     assert [e["ts"] for e in store.events()] == [now - 2, now - 1, now]  # the newest
+
+
+def test_open_on_a_full_disk_names_the_disk_not_a_damaged_file(tmp_path, monkeypatch):
+    """A full disk at start (no room for the -shm) said "not a SQLite database: disk I/O
+    error" (issue 12 audit). RLIMIT_FSIZE makes the -shm fail as ENOSPC would; the disk's
+    usage is faked to say it is full."""
+    import collections
+    import resource
+    import shutil
+    import signal
+
+    Store(tmp_path / "gemmd.db").close()
+    for p in tmp_path.glob("gemmd.db-*"):
+        if p.name != "gemmd.db-seen":
+            p.unlink()
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(3 << 20, 3 << 20, 0))
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+    try:
+        with pytest.raises(StoreError) as e:
+            Store(tmp_path / "gemmd.db")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    msg = str(e.value)
+    assert "not a SQLite database" not in msg and "disk I/O error" in msg
+    assert f"0 B free of 3.0 MiB on the filesystem of {tmp_path} (full?)" in msg
+    Store(tmp_path / "gemmd.db").close()  # space back: it opens, nothing lost

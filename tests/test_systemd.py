@@ -366,3 +366,14 @@ def test_sigterm_during_a_refit_stops_within_the_deadline(tmp_path, run_daemon):
         assert "closed database" not in d.read_log(), d.read_log()
     finally:
         listener.close()
+
+
+def test_unit_leaves_descriptors_for_every_client_connection_gemmd_allows():
+    """Issue 12: with the open-file limit at 64, 63 idle connections stopped the scrapes, and
+    the unit set no LimitNOFILE=. The unit's limit must leave the exporter its full
+    connection cap (half the free descriptors) beside the daemon's own."""
+    from gemmd.exporter.http import MAX_CONNECTIONS
+
+    limit = int(one(unit_entries(UNIT.read_text()), "Service.LimitNOFILE"))
+    own = 64  # the daemon's own descriptors, generously (measured: 10-15)
+    assert (limit - own) // 2 >= MAX_CONNECTIONS

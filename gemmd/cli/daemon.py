@@ -13,14 +13,14 @@ import threading
 
 from gemmd.cli.args import BACKENDS
 from gemmd.cli.context import checked, load_config, open_store, setup_logging, store_path
-from gemmd.config import budget_warnings, load
+from gemmd.config import load, warnings
 from gemmd.errors import InputError
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     path = args.file if args.file is not None else args.config  # '' is a (bad) file name
     cfg = load(path)
-    for w in budget_warnings(cfg):
+    for w in warnings(cfg):
         print(f"gemmd: warning: {w}", file=sys.stderr)
     print(f"{path or '<built-in defaults>'}: OK")
     return 0
@@ -36,6 +36,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg.listen, web_config_file=args.web_config_file)),
             {"--web.config.file": args.web_config_file})
     setup_logging(args.log_level or cfg.log_level)
+    for w in warnings(cfg):
+        logging.getLogger("gemmd.config").warning("%s", w)
     from gemmd.daemon import Daemon
 
     daemon = Daemon(cfg)

@@ -966,17 +966,22 @@ class _Server:
             self.loop.close()
 
 
+MAX_CONNECTIONS = 512  # open client connections at most (the systemd unit's LimitNOFILE
+# leaves twice that free)
+
+
 def _max_connections() -> int:
-    """Half the file descriptors still free (at most 512, at least 16): idle clients are
-    turned away before accept() runs out of descriptors for the daemon and for scrapes."""
+    """Half the file descriptors still free (at most MAX_CONNECTIONS, at least 16): idle
+    clients are turned away before accept() runs out of descriptors for the daemon and for
+    scrapes."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
-        return 512
+        return MAX_CONNECTIONS
     try:
         in_use = len(os.listdir("/proc/self/fd"))
     except OSError:
         in_use = 0
-    return max(16, min(512, (soft - in_use) // 2))
+    return max(16, min(MAX_CONNECTIONS, (soft - in_use) // 2))
 
 
 def serve(exposition: Exposition, address: str, port: int, *,
