@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,17 @@ def open_state_dir(cfg: Config, state_dir: Path | None = None) -> tuple[Path, St
     except OSError as e:
         raise GemmdError(f"state_dir {state_dir}: cannot create: {e.strerror}") from e
     if not os.access(state_dir, os.W_OK):
-        raise GemmdError(f"state_dir {state_dir}: not writable by this user")
+        try:
+            read_only = bool(os.statvfs(state_dir).f_flag & os.ST_RDONLY)
+            st = state_dir.stat()
+        except OSError:
+            read_only, st = False, None
+        if read_only:
+            raise GemmdError(f"state_dir {state_dir}: on a read-only filesystem (gemmd "
+                             "writes its store there; see state_dir, StateDirectory=)")
+        who = f"uid {os.geteuid()}" + (f" (directory mode {stat.filemode(st.st_mode)}, owner "
+                                       f"uid {st.st_uid})" if st else "")
+        raise GemmdError(f"state_dir {state_dir}: not writable by {who}")
     return state_dir, Store(state_dir / "gemmd.db")
 
 

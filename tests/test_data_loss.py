@@ -349,3 +349,27 @@ def test_cli_on_a_damaged_store_prints_one_line_and_exits_1(tmp_path, damage, co
     lines = [x for x in r.stderr.splitlines() if x.startswith("gemmd: error")]
     assert len(lines) == 1 and str(tmp_path / "gemmd.db") in lines[0]
     assert ("damaged" if damage == "malformed" else "table probes is missing") in lines[0]
+
+
+@pytest.mark.parametrize("read_only, gist", [
+    (True, "on a read-only filesystem"),  # said "not writable by this user" (issue 12)
+    (False, f"not writable by uid {os.geteuid()} (directory mode d"),
+])
+def test_an_unwritable_state_dir_says_why(tmp_path, monkeypatch, read_only, gist):
+    """A read-only filesystem is not a permission problem: the line says which. (The real
+    read-only mount is bench/fuzz_faults.py's; CI cannot mount one, so os.access and
+    statvfs answer as they do there.)"""
+    from gemmd.errors import GemmdError
+    from gemmd.runtime import open_state_dir
+
+    real_statvfs = os.statvfs
+
+    class Ro:
+        def __init__(self, st):
+            self.f_flag = st.f_flag | (os.ST_RDONLY if read_only else 0)
+
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False)
+    monkeypatch.setattr(os, "statvfs", lambda p: Ro(real_statvfs(p)))
+    with pytest.raises(GemmdError) as e:
+        open_state_dir(_cfg(tmp_path), tmp_path / "state")
+    assert f"state_dir {tmp_path / 'state'}: " in str(e.value) and gist in str(e.value)
