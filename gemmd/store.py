@@ -258,6 +258,9 @@ class Store:
         """gemmd writes the database and creates its -wal and -shm beside it."""
         for p in ([self.path] if existed else []) + [self.path.parent]:
             if not os.access(p, os.W_OK):
+                if os.statvfs(p).f_flag & os.ST_RDONLY:
+                    raise StoreError(f"store {self.path}: on a read-only filesystem; gemmd "
+                                     "must be able to write it (see state_dir)")
                 st = p.stat()
                 what = "file" if p == self.path else "directory"
                 raise StoreError(f"store {self.path}: {what} {p} is not writable by uid "

@@ -625,3 +625,21 @@ def test_open_on_a_full_disk_names_the_disk_not_a_damaged_file(tmp_path, monkeyp
     assert "not a SQLite database" not in msg and "disk I/O error" in msg
     assert f"0 B free of 3.0 MiB on the filesystem of {tmp_path} (full?)" in msg
     Store(tmp_path / "gemmd.db").close()  # space back: it opens, nothing lost
+
+
+def test_a_store_on_a_read_only_filesystem_says_so(tmp_path, monkeypatch):
+    """status on a read-only mount blamed the file's mode (bench/fuzz_faults.py mounts a
+    real one; here os.access and statvfs answer as they do there)."""
+    import os
+
+    Store(tmp_path / "gemmd.db").close()
+    real = os.statvfs
+
+    class Ro:
+        def __init__(self, st):
+            self.f_flag = st.f_flag | os.ST_RDONLY
+
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False)
+    monkeypatch.setattr(os, "statvfs", lambda p: Ro(real(p)))
+    with pytest.raises(StoreError, match="gemmd.db: on a read-only filesystem; gemmd must"):
+        Store(tmp_path / "gemmd.db")
