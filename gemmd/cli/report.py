@@ -28,7 +28,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         if args.device:
             raise UsageError("--device selects GPUs of the fleet report: add --fleet")
-        out = report.check_out("gemmd-report.html" if args.out is None else args.out)  # first
+        # checked before the data is loaded and fitted ('' is refused, not the default)
+        out = report.check_out("gemmd-report.html" if args.out is None else args.out)
         ds = load_dataset(args, cfg)
         bar = Progress(report.work_units(), "report")
         try:
