@@ -32,6 +32,7 @@ import numpy as np
 from gemmd import features
 from gemmd.config import ModelConfig
 from gemmd.devices.base import DeviceInfo
+from gemmd.devices.nvml import import_hiding_cupy
 from gemmd.errors import ModelError, naming
 from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
@@ -940,7 +941,7 @@ class ForestModel:
     # -------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> str:
         """Write atomically (temp file + rename); returns the file's sha256."""
-        import skops.io as sio
+        sio = import_hiding_cupy("skops.io")  # CuPy: 165 MB for nothing here
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -965,7 +966,7 @@ class ForestModel:
     @classmethod
     def load(cls, path: str | Path, sha256: str | None = None) -> ForestModel:
         """Load without executing code: checksum first, then skops with trusted types only."""
-        import skops.io as sio
+        sio = import_hiding_cupy("skops.io")
 
         path = Path(path)
         if not path.is_file():

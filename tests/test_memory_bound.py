@@ -154,3 +154,35 @@ def test_each_refit_hands_freed_memory_back(tmp_path, host, monkeypatch):
         assert len(calls) == 2
     finally:
         d.stop()
+
+
+_NO_CUPY = """
+import resource, sys
+from gemmd.devices.nvml import import_hiding_cupy
+{before}
+sio = import_hiding_cupy("skops.io")
+assert sio.loads(sio.dumps({{"a": [1, 2]}}), trusted=[]) == {{"a": [1, 2]}}
+print(sorted(m for m in ("cupy", "sklearn.externals.array_api_compat.cupy")
+             if m in sys.modules))
+import cupy  # still importable afterwards
+print(cupy.__name__, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+@pytest.mark.parametrize("before, hidden", [("", True), ("import cupy", False)])
+def test_skops_is_imported_without_cupy(before, hidden):
+    """Issue 12's soak: `import skops.io` imported CuPy through scikit-learn's array-API
+    shim wherever the CUDA extra is installed (+165 MB RSS in the daemon, which runs no
+    CuPy). Hidden during that import, unless something (a thread-isolated GPU backend)
+    imported CuPy already; importable after."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    assert importlib.util.find_spec("cupy") is not None, "the test extra installs CuPy"
+    p = subprocess.run([sys.executable, "-c", _NO_CUPY.format(before=before)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    imported, after = p.stdout.splitlines()
+    assert imported == ("[]" if hidden else "['cupy', 'sklearn.externals.array_api_compat.cupy']")
+    assert after.startswith("cupy ")

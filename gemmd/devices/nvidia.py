@@ -116,11 +116,10 @@ def cuda_visible_bus_ids() -> list[str] | None:
     """PCI bus ids of the GPUs CUDA shows this process, in CUDA's order; None when CUDA
     can't be asked. Initializes the driver, creates no context."""
     try:
-        import cupy
-
+        cupy = import_gpu_library("cupy", "CuPy")
         rt = cupy.cuda.runtime
         return [rt.deviceGetPCIBusId(i) for i in range(rt.getDeviceCount())]
-    except (ImportError, RuntimeError) as e:  # CUDARuntimeError is a RuntimeError
+    except (DeviceUnavailable, RuntimeError) as e:  # CUDARuntimeError is a RuntimeError
         logger.debug("cannot ask CUDA which GPUs are visible: %s", e)
         return None
 
