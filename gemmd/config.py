@@ -15,6 +15,7 @@ import math
 import os
 import re
 import reprlib
+import tempfile
 import time
 import types
 import typing
@@ -511,28 +512,45 @@ def _check_reference(cfg: Config, errs: _Errors) -> None:
     elif sha and not ref:
         errs.add("model.reference_sha256", "set without model.reference")
     elif sha and found:  # checked now, not only when the daemon loads it
-        digest = _sha256_of(Path(ref).expanduser())
+        try:
+            digest: str | None = file_sha256(Path(ref).expanduser())
+        except OSError:
+            digest = None  # unreadable: the daemon says why when it loads the file
         if digest is not None and digest != sha.lower():
             errs.add("model.reference_sha256", f"does not match {_short(ref)} (its sha256 is "
                                                f"{digest}): the file changed, or the wrong "
                                                "file is named")
 
 
-def _sha256_of(path: Path) -> str | None:
-    """The file's sha256, or None if it cannot be read (the daemon then says why)."""
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (model files and their pins). Raises OSError."""
     import hashlib
 
     h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except OSError:
-        return None
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
     return h.hexdigest()
 
 
 NAME_MAX, PATH_MAX = 255, 4096  # bytes in one file name and in a whole path (Linux)
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """A value as an error message quotes it: at most ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit - 25]}... ({len(text):,} characters)"
+
+
+def cannot_write_in(directory: Path) -> str | None:
+    """Why no file can be made in ``directory`` (strerror), or None. Makes and removes a
+    file: the one reliable test (root passes os.access on /proc and /sys)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".gemmd-", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
 
 
 def path_problem(text: str) -> str | None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from gemmd import features
-from gemmd.config import ModelConfig
+from gemmd.config import ModelConfig, file_sha256
 from gemmd.devices.base import DeviceInfo
 from gemmd.devices.nvml import import_hiding_cupy
 from gemmd.errors import ModelError, naming
@@ -953,7 +953,7 @@ class ForestModel:
             sio.dump(payload, tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            digest = _sha256(tmp)
+            digest = file_sha256(tmp)
             os.replace(tmp, path)
         except OSError as e:
             Path(tmp).unlink(missing_ok=True)
@@ -971,7 +971,7 @@ class ForestModel:
         path = Path(path)
         if not path.is_file():
             raise ModelError(f"model file {path} does not exist")
-        if sha256 and _sha256(path) != sha256:
+        if sha256 and file_sha256(path) != sha256:
             raise ModelError(f"model file {path} does not match its recorded checksum "
                              "(tampered with or truncated)")
         try:
@@ -1764,9 +1764,3 @@ def _check_forests(payload: dict, path: Path) -> None:
                          "(sigma and z)")
 
 
-def _sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

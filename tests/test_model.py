@@ -275,7 +275,7 @@ def test_a_forest_fitted_on_other_features_is_refused(tmp_path, fitted):
     path = tmp_path / "forged.skops"
     sio.dump({"forests": {**model.forests, "runtime": small}, "sigma": dict(model.sigma),
               "z": model.z, "meta": json.dumps(model.meta)}, path)
-    from gemmd.model import _sha256
+    from gemmd.config import file_sha256 as _sha256
 
     with pytest.raises(ModelError, match="runtime forest does not read gemmd's"):
         ForestModel.load(path, _sha256(path))  # the checksum matches: it was forged too

@@ -8,12 +8,11 @@ import argparse
 import dataclasses
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gemmd.config import BACKENDS, Config, path_problem
+from gemmd.config import BACKENDS, Config, cannot_write_in, path_problem, shown
 from gemmd.gemm import DATA_KERNELS, DTYPES, KERNELS, LAYOUTS
 
 EXIT_RUNTIME = 1  # a device, store or listen failure, a bad file, a failed probe
@@ -112,11 +111,6 @@ def nonempty(what: str) -> Callable[[str], str]:
     return parse
 
 
-def shown(text: str, limit: int = 80) -> str:
-    """A value as an error message quotes it: at most ``limit`` characters."""
-    return text if len(text) <= limit else f"{text[:limit - 25]}... ({len(text):,} characters)"
-
-
 def path_arg(what: str) -> Callable[[str], str]:
     """An argparse type: a file name that can exist (not blank, no NUL, within the name
     and path lengths Linux allows; stat() raises on the others instead of answering)."""
@@ -142,13 +136,9 @@ def model_out(text: str) -> Path:
     parent = path.parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"--out {text}: {parent} is not a directory")
-    try:  # the one reliable test (root passes os.access on /proc and /sys): make a file
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".gemmd-fit-", suffix=".tmp")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"--out {text}: cannot write in {parent}: "
-                                         f"{e.strerror or e}") from None
+    why = cannot_write_in(parent)  # checked before a fit of minutes, not after
+    if why:
+        raise argparse.ArgumentTypeError(f"--out {text}: cannot write in {parent}: {why}")
     return path
 
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gemmd.cli.args import UsageError, shown
-from gemmd.config import Config, check, load
+from gemmd.cli.args import UsageError
+from gemmd.config import Config, check, load, shown
 from gemmd.errors import GemmdError, InputError
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import gemmd
-from gemmd.config import path_problem
+from gemmd.config import cannot_write_in, path_problem, shown
 from gemmd.errors import InputError
 
 if TYPE_CHECKING:
@@ -55,8 +55,7 @@ def check_out(out: str | Path) -> Path:
         raise InputError("--out: no file given (an .html path)")
     problem = path_problem(text)
     if problem:
-        raise InputError(f"--out {text[:60]}...: {problem}" if len(text) > 80 else
-                         f"--out {text}: {problem}")
+        raise InputError(f"--out {shown(text)}: {problem}")
     path = Path(text)
     if path.is_dir():
         raise InputError(f"--out {text}: is a directory; give an .html file to write")
@@ -73,13 +72,9 @@ def check_out(out: str | Path) -> Path:
                          f"{e.strerror or e}") from None
     if not parent.is_dir():
         raise InputError(f"--out {text}: {parent} is not a directory")
-    try:  # the one reliable test: create (and remove) a file there
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".gemmd-report-", suffix=".tmp")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise InputError(f"--out {text}: cannot write in {parent}: "
-                         f"{e.strerror or e}") from None
+    why = cannot_write_in(parent)
+    if why:
+        raise InputError(f"--out {text}: cannot write in {parent}: {why}")
     return path
 
 
