@@ -5,10 +5,15 @@ Every stand-in class or function is declared with the real thing it stands for
 first bound against the real signature (from ``inspect.signature`` or, for Cython
 functions, the signature CuPy embeds in the docstring), so a wrong argument count or name
 fails the test that made it. The stand-in GPU computes with NumPy on host memory addressed
-by raw pointers, as cuBLAS does on device memory, runs in real time (enqueued work finishes
-later; events and synchronize wait for it), and checks what a real GPU would reject:
-cuBLAS argument bounds, kernel launch limits, reads of inputs another stream is still
-writing, cuBLAS calls while capturing a graph that CuPy would refuse.
+by raw pointers, as cuBLAS does on device memory, and keeps time on a virtual clock
+(``VirtualClock``): enqueued work finishes later in virtual time, events and synchronize
+advance the clock to it, host calls cost their own virtual microseconds; no result depends
+on how fast the machine running the tests is. It checks what a real GPU would reject or
+punish: cuBLAS argument bounds, kernel launch limits, reads of inputs another stream is
+still writing (the random generator's state included), cuBLAS calls while capturing a graph
+that CuPy would refuse, a cuBLAS workspace reset by cublasSetStream (cuBLAS then allocates
+during capture), a GEMM whose kernel is first loaded inside a capture, and the upload cost
+of a graph's first launch.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import functools
 import inspect
 import re
 import threading
-import time
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -96,11 +100,54 @@ def conforming_function(real: Any):
 # ------------------------------------------------------------------ the stand-in GPU
 
 
-class Gpu:
-    """State of the simulated device: streams' timelines, allocations, counters."""
+class VirtualClock:
+    """Seconds that pass only when the simulated host waits or works: ``now()`` for the
+    device under test (its clock), ``advance_to`` for the stand-in's waits. Subscribers
+    (the device's energy watcher) are called at every multiple of their period that the
+    clock passes, as a polling thread would be, in order and without races."""
 
-    def __init__(self, flops_per_s: float = 2e10, launch_s: float = 2e-6):
+    def __init__(self, start: float = 1000.0):
+        self.t = start
+        self._subs: dict[int, list] = {}  # id: [fn, period, next tick]
+        self._next_id = 0
+
+    def now(self) -> float:
+        return self.t
+
+    def subscribe(self, fn: Any, period: float) -> int:
+        self._next_id += 1
+        self._subs[self._next_id] = [fn, period, self.t + period]
+        return self._next_id
+
+    def unsubscribe(self, sid: int) -> None:
+        self._subs.pop(sid, None)
+
+    def advance_to(self, t: float) -> None:
+        while self._subs:
+            sid, (fn, period, tick) = min(self._subs.items(), key=lambda kv: kv[1][2])
+            if tick > t:
+                break
+            self.t = max(self.t, tick)
+            self._subs[sid][2] = tick + period
+            fn()
+        self.t = max(self.t, t)
+
+    def sleep(self, dt: float) -> None:
+        self.advance_to(self.t + dt)
+
+
+class Gpu:
+    """State of the simulated device: streams' timelines, allocations, counters.
+
+    ``launch_s``: GPU time a graph launch adds; ``host_call_s``: host time of one direct
+    kernel launch or cuBLAS call (the reason small GEMMs need graphs); ``upload_s``: GPU
+    time of a graph's first launch (its upload)."""
+
+    def __init__(self, flops_per_s: float = 2e10, launch_s: float = 2e-6,
+                 host_call_s: float = 5e-6, upload_s: float = 50e-6):
         self.flops_per_s, self.launch_s = flops_per_s, launch_s
+        self.host_call_s, self.upload_s = host_call_s, upload_s
+        self.clock = VirtualClock()
         self.current: list[Stream] = []
         self.null = Stream(null=True, gpu=self)
         self.pool = MemoryPool(self)
@@ -108,6 +155,8 @@ class Gpu:
         self.sticky: BaseException | None = None  # a poisoned context: all work fails
         self.capture_error: BaseException | None = None
         self.event_creations: list[float] = []
+        # cuBLAS loads a GEMM's kernel on its first use: inside a capture, that fails.
+        self.lazy_loading = True
 
     def count(self, what: str) -> None:
         self.calls[what] = self.calls.get(what, 0) + 1
@@ -117,12 +166,15 @@ class Gpu:
 
     def enqueue(self, stream: Stream, duration: float, work: Any, reads: tuple = (),
                 writes: tuple = ()) -> None:
-        """Run ``work`` (NumPy, now) as if it ran on ``stream`` for ``duration`` seconds."""
+        """Run ``work`` (NumPy, now) as if it ran on ``stream`` for ``duration`` seconds (a
+        callable: the seconds at the GPU's speed when it runs, as in a replayed graph)."""
         if self.sticky is not None:
             raise self.sticky
         if stream.capturing is not None:
             stream.capturing.append((duration, work, reads, writes))
             return
+        if callable(duration):
+            duration = duration()
         for arr in reads:
             writer = getattr(arr, "_writer", None)
             if writer is not None and writer is not stream and writer.pending:
@@ -131,15 +183,9 @@ class Gpu:
         work()
         for arr in writes:
             arr._writer = stream
-        start = max(time.monotonic(), stream.t_done)
+        start = max(self.clock.now(), stream.t_done)
         stream.t_done = start + duration
         stream.pending = True
-
-
-def _wait_until(t: float) -> None:
-    left = t - time.monotonic()
-    if left > 0:
-        time.sleep(left)
 
 
 class DevArray(np.ndarray):
@@ -235,7 +281,7 @@ class Stream:
         self._gpu.current.pop()
 
     def synchronize(self):
-        _wait_until(self.t_done)
+        self._gpu.clock.advance_to(self.t_done)
         self.pending = False
 
     def begin_capture(self, mode=None):
@@ -258,11 +304,15 @@ class Stream:
 class Graph:
     def __init__(self, nodes: list, gpu: Gpu):
         self._nodes, self._gpu = nodes, gpu
+        self._uploaded = False
 
     def launch(self, stream=None):
         self._gpu.count("graph_launches")
         s = stream or self._gpu.stream()
-        total = self._gpu.launch_s + sum(d for d, *_ in self._nodes)
+        total = self._gpu.launch_s + sum(d() if callable(d) else d for d, *_ in self._nodes)
+        if not self._uploaded:  # the first launch uploads the graph to the device
+            total += self._gpu.upload_s
+            self._uploaded = True
         reads = tuple(a for _, _, r, _ in self._nodes for a in r)
         writes = tuple(a for *_, w in self._nodes for a in w)
 
@@ -276,21 +326,21 @@ class Graph:
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
         self._gpu = _GPU.get()
-        self._gpu.event_creations.append(time.monotonic())
+        self._gpu.event_creations.append(self._gpu.clock.now())
         self.t: float | None = None
 
     def record(self, stream=None):
         s = stream or self._gpu.stream()
         if s.capturing is not None:
             raise AssertionError("event recorded while capturing a graph")
-        self.t = max(s.t_done, time.monotonic())
+        self.t = max(s.t_done, self._gpu.clock.now())
 
     def synchronize(self):
-        _wait_until(self.t or 0.0)
+        self._gpu.clock.advance_to(self.t or 0.0)
 
     @property
     def done(self):
-        return time.monotonic() >= (self.t or 0.0)
+        return self._gpu.clock.now() >= (self.t or 0.0)
 
 
 @conforming_function(cupy.cuda.get_elapsed_time)
@@ -337,13 +387,19 @@ class Runtime:
 
 
 class Generator:
-    """cupy.random.Generator: normal numbers written by the current stream."""
+    """cupy.random.Generator: its state initialised by a kernel on the stream current at
+    construction; normal numbers drawn by the current stream, which reads that state."""
 
     def __init__(self, seed: Any) -> None:
         self._rng = np.random.default_rng(seed)
+        gpu = _GPU.get()
+        self._state = gpu.pool.alloc(np.zeros(6, np.uint32))  # written by the current stream
+        gpu.enqueue(gpu.stream(), 1e-6, lambda: None, writes=(self._state,))
 
     def standard_normal(self, size=None, dtype=np.float64, out=None):
         gpu = _GPU.get()
+        gpu.enqueue(gpu.stream(), 1e-6, lambda: None, reads=(self._state,),
+                    writes=(self._state,))
         return gpu.pool.alloc(self._rng.standard_normal(size, dtype=dtype))
 
 
@@ -370,8 +426,13 @@ class RawKernel:
         def work() -> None:
             av, bv = a.reshape(flat[0]), b.reshape(flat[1])
             c.reshape(flat[2])[...] = (av.astype(np.float64) @ bv).astype(np.float32)
-        self._gpu.enqueue(self._gpu.stream(), 2.0 * m * n * k / self._gpu.flops_per_s * 8,
-                          work, (a, b), (c,))
+        gpu, stream = self._gpu, self._gpu.stream()
+        gpu.count(f"tiled{t}_enqueued")
+        if stream.capturing is None:
+            gpu.clock.sleep(gpu.host_call_s)
+        # Each tile its own speed, as on a real GPU (the H200: 32x32 fastest).
+        gpu.enqueue(stream, lambda: 2.0 * m * n * k / gpu.flops_per_s * 8 * (1 + 8 / t), work,
+                    (a, b), (c,))
 
 
 @conforms(cupy.RawModule)
@@ -471,21 +532,29 @@ class CublasStandin:
     def __init__(self, gpu: Gpu):
         self._gpu = gpu
         self._streams: dict[int, int] = {}
+        self._workspace: dict[int, int | None] = {}
+        self._loaded: set[tuple] = set()  # GEMM kernels loaded (first used outside capture)
         self._next = 0x1000
 
     def create(self):
         self._next += 16
         self._streams[self._next] = 0
+        self._workspace[self._next] = None
         return self._next
 
     def destroy(self, handle):
         self._streams.pop(handle)
+        self._workspace.pop(handle)
 
     def set_stream(self, handle, stream_ptr):
+        # cuBLAS docs, cublasSetStream: "unconditionally resets the cuBLAS library
+        # workspace back to the default workspace pool".
         self._streams[handle] = stream_ptr
+        self._workspace[handle] = None
 
     def set_workspace(self, handle, ptr, nbytes):
         assert handle in self._streams and ptr and nbytes > 0
+        self._workspace[handle] = ptr
 
     def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb,
                 beta, c, ctype, ldc, compute, algo):
@@ -503,6 +572,15 @@ class CublasStandin:
         stream = next((s for s in [self._gpu.null, *self._gpu.current]
                        if s.ptr == self._streams[handle]), None)
         assert stream is not None, "the handle's stream is not a live stream"
+        kernel = (transa, transb, m, n, k, atype, compute)
+        if stream.capturing is not None:
+            if self._workspace[handle] is None:
+                self._gpu.count("allocations_during_capture")  # cuBLAS's own workspace
+            if self._gpu.lazy_loading and kernel not in self._loaded:
+                raise CUDARuntimeError(900)  # cudaErrorStreamCaptureUnsupported: a load
+        else:
+            self._loaded.add(kernel)
+            self._gpu.clock.sleep(self._gpu.host_call_s)
 
         def work() -> None:
             am = _to_f64(_matrix(a, _DT[atype], lda, ra, ca), atype)
@@ -519,8 +597,9 @@ class CublasStandin:
             else:
                 cm[...] = out.astype(_DT[ctype])
         arrays = _owners(a, b, c)
-        self._gpu.enqueue(stream, 2.0 * m * n * k / self._gpu.flops_per_s, work,
-                          reads=arrays[:2], writes=arrays[2:])
+        gpu = self._gpu
+        gpu.enqueue(stream, lambda: 2.0 * m * n * k / gpu.flops_per_s, work,
+                    reads=arrays[:2], writes=arrays[2:])
 
 
 _LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -651,11 +730,12 @@ class FakePynvml:
         return SimpleNamespace(gpu=handle.get("util", 0), memory=0)
 
 
-def stepping_counter(watts: float, step_s: float = 0.01) -> Any:
-    """An energy counter (mJ) that moves every ``step_s`` at constant power, like NVML's."""
-    t0 = time.monotonic()
+def stepping_counter(watts: float, clock: VirtualClock, step_s: float = 0.01) -> Any:
+    """An energy counter (mJ) that moves every ``step_s`` of ``clock`` at constant power,
+    like NVML's."""
+    t0 = clock.now()
 
     def read() -> float:
-        steps = int((time.monotonic() - t0) / step_s)
+        steps = int((clock.now() - t0) / step_s)
         return 1e6 + watts * steps * step_s * 1e3
     return read

@@ -24,6 +24,7 @@ from cuda_standin import (
     CublasStandin,
     FakePynvml,
     Gpu,
+    VirtualClock,
     make_cupy,
     real_signature,
     stepping_counter,
@@ -95,7 +96,10 @@ def test_every_clock_event_reason_bit_of_pynvml_decodes_to_a_name():
         value = getattr(pynvml, name)
         if m and isinstance(value, int) and value and value & (value - 1) == 0:
             bits.setdefault(value, m.group(1))
-    assert {0x200, 0x400} <= set(bits)  # BoardLimit, Reliability
+    # Older nvidia-ml-py releases (12.535 ... 13.610) lack some bits (0x200 BoardLimit,
+    # 0x400 Reliability came with 13.615): gemmd decodes from nvml.h, not from pynvml, so
+    # what each release defines must decode, and the bits every release has must be there.
+    assert {0x1, 0x2, 0x4, 0x8, 0x20, 0x40, 0x80} <= set(bits)
     for bit, pyname in bits.items():
         decoded = nvml.decode_reasons(bit)
         assert len(decoded) == 1 and not decoded[0].startswith("unknown"), (pyname, decoded)
@@ -240,7 +244,8 @@ def _device(gpu, budget=1 << 30, cublas_impl=None, **nv):
     rec = nvml_.discover()[0]
     cp = make_cupy(["0000:18:00.0"], gpu)
     return nvidia.NvidiaDevice(rec, memory_budget=budget, nvml=nvml_, cupy=cp,
-                               cublas=cublas_impl or CublasStandin(gpu))
+                               cublas=cublas_impl or CublasStandin(gpu), clock=gpu.clock.now,
+                               ticker=gpu.clock)
 
 
 @pytest.mark.parametrize("dtype", ["fp64", "fp32", "tf32", "fp16", "bf16"])
@@ -279,14 +284,101 @@ def test_small_gemms_replay_one_graph_per_chunk(gpu):
     spec = ProbeSpec(32, 32, 32, "fp32")  # 66 kFLOP: ~3 us on the stand-in, under a launch
     dev.prepare(spec)
     dev.run(spec, 1, threading.Event())  # sizes the chunk
-    chunk = dev._chunks[dev._key(spec)]
-    assert chunk > 1
+    chunk = dev._chunks[dev._run_key(spec)]
+    # Sized from warm graph replays: ~200 us of GPU time per graph (3.3 us per GEMM plus
+    # the launch's 2 us spread over the chunk), not from the first, cold launch (its 5 us
+    # cuBLAS call and 50 us upload would make it 4x too small).
+    per = 2 * 32**3 / gpu.flops_per_s
+    assert 0.8 * 200e-6 / per <= chunk <= 1.2 * 200e-6 / per
     dev.run(spec, 10, threading.Event())  # captures the chunk's graph
     before = dict(gpu.calls)
     run = dev.run_observed(spec, 5 * chunk, threading.Event())
     assert len(run.times) == 5 * chunk
     assert gpu.calls["graph_launches"] - before.get("graph_launches", 0) == 5
     assert gpu.calls["gemm_ex"] == before["gemm_ex"]  # no cuBLAS call: replayed
+
+
+def test_the_chunk_grows_when_later_windows_show_faster_gemms(gpu):
+    dev = _device(gpu)
+    spec = ProbeSpec(32, 32, 32, "fp32")
+    gpu.flops_per_s /= 4  # idle clocks while calibrating
+    dev.run(spec, 1, threading.Event())
+    first = dev._chunks[dev._run_key(spec)]
+    gpu.flops_per_s *= 4  # clocks up
+    dev.run(spec, 4 * first, threading.Event())
+    assert dev._chunks[dev._run_key(spec)] >= 2 * first
+
+
+def test_each_tile_replays_its_own_kernel(gpu):
+    """Seen on the H200: tiles of one shape shared the first tile's graph, so every tile
+    measured tile 1's kernel."""
+    dev = _device(gpu)
+    times = {}
+    for tile in (1, 8, 32):
+        spec = ProbeSpec(64, 64, 64, "fp32", "tiled", tile)
+        times[tile] = measure(dev, spec, FAST).runtime_s
+        assert gpu.calls.get(f"tiled{tile}_enqueued", 0) > 0
+    assert times[1] > times[8] > times[32]
+    one, other = (ProbeSpec(64, 64, 64, "fp32", "tiled", t) for t in (1, 32))
+    assert dev._bufs.get(dev._key(one)) is dev._bufs.get(dev._key(other))  # shared inputs
+
+
+def test_the_workspace_is_set_after_the_stream(gpu):
+    """cublasSetStream resets the workspace to cuBLAS's pool: set first, ours would be
+    dropped and cuBLAS would allocate inside every captured graph."""
+    dev = _device(gpu)
+    measure(dev, ProbeSpec(32, 32, 32, "bf16"), FAST)
+    assert gpu.calls.get("graphs_captured", 0) > 0
+    assert gpu.calls.get("allocations_during_capture", 0) == 0
+
+
+def test_the_first_gemm_of_a_shape_runs_before_any_capture(gpu, caplog):
+    """The stand-in's cuBLAS fails a capture that loads a kernel; a warm-up outside the
+    capture loads it, and graphs stay on."""
+    dev = _device(gpu)
+    with caplog.at_level(logging.WARNING):
+        for dtype in ("fp32", "bf16", "fp16"):
+            measure(dev, ProbeSpec(48, 40, 36, dtype), FAST)
+    assert "graph capture failed" not in caplog.text and dev._graphs_ok
+
+
+def test_the_random_state_is_made_on_the_probe_stream(gpu):
+    """The generator's state is written by a kernel on the stream current at construction;
+    made on the legacy stream and read by the first draw on the probe stream without a
+    wait, the stand-in reports the race."""
+    dev = _device(gpu)
+    dev.prepare(ProbeSpec(64, 64, 64, "fp32"))  # draws the inputs: no race
+    with gpu.null:
+        rng = dev.cp.random.default_rng(1)
+    with dev.stream, pytest.raises(AssertionError, match="race"):
+        rng.standard_normal(16)
+
+
+@pytest.mark.parametrize("status, fault", [(700, True), (719, True), (214, True),
+                                           (2, False), (1, False), (900, False)])
+def test_only_sticky_cuda_errors_are_faults(gpu, status, fault):
+    dev = _device(gpu)
+    dev.prepare(ProbeSpec(64, 64, 64, "fp32"))
+    gpu.sticky = CUDARuntimeError(status)
+    with pytest.raises(DeviceError) as e:
+        dev.run(ProbeSpec(64, 64, 64, "fp32"), 3, threading.Event())
+    assert isinstance(e.value, DeviceFault) is fault
+
+
+def test_a_missing_cublas_library_is_unavailable_not_a_traceback(gpu, monkeypatch):
+    from cuda import pathfinder
+
+    def missing(name):
+        raise pathfinder.DynamicLibNotFoundError(f"Failure finding lib{name}.so")
+    monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", missing)
+    assert issubclass(pathfinder.DynamicLibNotFoundError, RuntimeError)
+    with pytest.raises(OSError, match="cuBLAS not found: Failure finding libcublas.so"):
+        cublas.library_path()
+    nvml_ = Nvml(FakePynvml(_gpus()))
+    with pytest.raises(DeviceUnavailable, match="cannot load cuBLAS"):
+        nvidia.NvidiaDevice(nvml_.discover()[0], memory_budget=1 << 30, nvml=nvml_,
+                            cupy=make_cupy(["0000:18:00.0"], gpu), clock=gpu.clock.now,
+                            ticker=gpu.clock)
 
 
 def test_graph_capture_failure_falls_back_to_direct_launches(gpu, caplog):
@@ -316,7 +408,7 @@ def test_inputs_are_ready_before_the_first_gemm_reads_them(gpu):
     # The check itself: an input written on the legacy stream, never waited for.
     bufs = dev._bufs.get(dev._key(spec))
     with gpu.null:
-        bufs["a"] = dev._rng.standard_normal(64 * 64, dtype=np.float64)
+        bufs["a"] = dev.cp.random.default_rng(7).standard_normal(64 * 64, dtype=np.float64)
     bufs["graphs"].clear()
     with pytest.raises(AssertionError, match="race"):
         dev.run(spec, 2, threading.Event())
@@ -356,7 +448,7 @@ def test_a_cublas_refusal_is_a_device_error_not_a_fault(gpu):
 
 
 def test_energy_steps_are_watched_from_another_thread_while_the_gpu_works(gpu):
-    dev = _device(gpu, energy_mj=stepping_counter(300.0, step_s=0.01))
+    dev = _device(gpu, energy_mj=stepping_counter(300.0, gpu.clock, step_s=0.01))
     spec = ProbeSpec(96, 96, 96, "fp32")  # ~90 us per GEMM on the stand-in
     m = measure(dev, spec, MeasureConfig(window_s=0.15, warmup_s=0.02))
     assert m.context["after"]["energy_method"] == "steps"
@@ -365,10 +457,20 @@ def test_energy_steps_are_watched_from_another_thread_while_the_gpu_works(gpu):
 
 
 def test_energy_watcher_keeps_only_changes():
-    values = iter([1.0, 1.0, 2.0, 2.0, 3.0] + [3.0] * 10_000)
+    clock = VirtualClock()
+    values = iter([1.0, 1.0, 2.0, 2.0, 3.0] + [3.0] * 100)
+    with nvidia._EnergyWatcher(lambda: next(values), period=0.001, clock=clock.now,
+                               ticker=clock) as w:
+        clock.sleep(0.05)
+    assert w.steps == [(pytest.approx(1000.002), 2.0), (pytest.approx(1000.004), 3.0)]
+
+
+def test_energy_watcher_thread_polls_until_stopped():
+    values = iter([1.0, 2.0] + [3.0] * 1_000_000)
     with nvidia._EnergyWatcher(lambda: next(values), period=0.0001) as w:
-        time.sleep(0.05)
-    assert [e for _, e in w.steps] == [2.0, 3.0]
+        while len(w.steps) < 2:  # however slow the machine, both changes are seen
+            time.sleep(0.001)
+    assert [e for _, e in w.steps] == [2.0, 3.0] and w.error is None
 
 
 def test_tiled_kernel_grid_limit_is_refused_with_a_reason():

@@ -13,6 +13,7 @@ from cuda_standin import FakePynvml  # tied to the real pynvml's functions and c
 
 from gemmd import hardware
 from gemmd.devices import nvidia
+from gemmd.devices import nvml as nvml_mod
 from gemmd.devices.base import over_budget
 from gemmd.devices.nvml import Nvml, decode_reasons, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceUnavailable
@@ -90,10 +91,30 @@ def test_a_gpu_without_cupy_is_unavailable_with_the_extra_to_install(monkeypatch
     import sys
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
-    nv = Nvml(FakePynvml(_gpus()))
+    fake = FakePynvml(_gpus())  # a CUDA 13.0 driver
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nv = Nvml(fake)
     with pytest.raises(DeviceUnavailable, match=r"^CuPy is not installed \(pip install "
-                                                 r"'gemmd-gpu\[cuda12\]'\)$"):
+                                                 r"'gemmd-gpu\[cuda13\]'\)$"):
         nvidia.NvidiaDevice(nv.discover()[0], memory_budget=1 << 30, nvml=nv)
+
+
+def test_the_extra_named_follows_the_driver_and_names_both_when_unknown(monkeypatch):
+    import sys
+
+    from gemmd.devices.nvml import cuda_extra
+
+    fake = FakePynvml(_gpus())
+    assert cuda_extra(fake) == "cuda13"
+    fake.nvmlSystemGetCudaDriverVersion_v2 = lambda: 12080
+    assert cuda_extra(fake) == "cuda12"
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no nvidia-ml-py: no driver to ask
+    assert cuda_extra() == "cuda12|cuda13"
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(DeviceUnavailable, match=r"^CuPy is not installed \(pip install "
+                       r"'gemmd-gpu\[cuda12\]' or pip install 'gemmd-gpu\[cuda13\]' for a "
+                       r"CUDA 12 / 13 driver\)$"):
+        nvml_mod.import_gpu_library("cupy", "CuPy")
 
 
 def test_peak_flops_and_bandwidth_match_datasheets():

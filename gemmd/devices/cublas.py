@@ -65,7 +65,10 @@ def library_path() -> str:
         if not found:
             raise OSError("cuBLAS not found (install gemmd's cuda12/cuda13 extra)") from None
         return found
-    return load_nvidia_dynamic_lib("cublas").abs_path
+    try:
+        return load_nvidia_dynamic_lib("cublas").abs_path
+    except RuntimeError as e:  # cuda.pathfinder's DynamicLibNotFoundError
+        raise OSError(f"cuBLAS not found: {e} (install gemmd's cuda12/cuda13 extra)") from e
 
 
 class Cublas:

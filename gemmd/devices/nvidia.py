@@ -16,7 +16,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
@@ -107,6 +107,31 @@ def unsupported(spec: ProbeSpec, cc: tuple[int, int]) -> str | None:
     return None
 
 
+# cudaError_t / CUresult codes (the same numbers) after which the CUDA context is unusable
+# ("sticky": every later call fails too) and the worker must be restarted. Others (out of
+# memory, an invalid value, capture unsupported, not ready) leave the context working.
+STICKY_CUDA_ERRORS = frozenset({
+    214,  # ECC uncorrectable
+    700,  # illegal address
+    702,  # launch timeout
+    709,  # context is destroyed
+    710,  # device-side assert
+    714,  # hardware stack error
+    715,  # illegal instruction
+    716,  # misaligned address
+    717,  # invalid address space
+    718,  # invalid PC
+    719,  # launch failure
+    999,  # unknown
+})
+
+
+def _sticky(e: BaseException) -> bool:
+    """Whether a CUDA runtime/driver error leaves the context unusable (unknown: yes)."""
+    status = getattr(e, "status", None)
+    return not isinstance(status, int) or status in STICKY_CUDA_ERRORS
+
+
 def _bus(bus_id: str) -> str:
     """A PCI bus id in one spelling: NVML's "00000000:18:00.0" and CUDA's "0000:18:00.0"."""
     return bus_id.lower()[-12:]
@@ -187,34 +212,56 @@ def open_all(*, memory_budget: int, isolation: str = "process", seed: int = 0) -
 
 class _EnergyWatcher:
     """Polls the energy counter from its own thread while the GPU works, keeping each
-    change as (time.monotonic(), joules). The thread that enqueues GEMMs never polls, so
-    watching cannot starve the GPU; NVML calls release the GIL."""
+    change as (clock(), joules). The thread that enqueues GEMMs never polls, so watching
+    cannot starve the GPU; NVML calls release the GIL.
 
-    def __init__(self, read: Any, period: float = _POLL_S):
-        self._read, self._period = read, period
+    ``ticker`` (tests): a virtual clock with ``subscribe(fn, period)``/``unsubscribe``
+    that calls ``poll`` as its time passes, in place of the thread."""
+
+    def __init__(self, read: Any, period: float = _POLL_S,
+                 clock: Callable[[], float] = time.monotonic, ticker: Any = None):
+        self._read, self._period, self._clock, self._ticker = read, period, clock, ticker
         self.steps: list[tuple[float, float]] = []
         self.error: BaseException | None = None
+        self._last: float | None = None
+        self._sub: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gemmd-energy-watch",
                                         daemon=True)
 
-    def _run(self) -> None:
+    def poll(self) -> None:
+        """One reading; a change is kept with its time."""
+        if self.error is not None:
+            return
         try:
-            last = self._read()
-            while not self._stop.is_set():
-                e = self._read()
-                if e is not None and e != last:
-                    self.steps.append((time.monotonic(), e))
-                    last = e
-                self._stop.wait(self._period)
-        except Exception as e:  # reported by the caller: watching is best effort
-            self.error = e
+            e = self._read()
+        except Exception as err:  # reported by the caller: watching is best effort
+            self.error = err
+            return
+        if e is not None and e != self._last:
+            self.steps.append((self._clock(), e))
+            self._last = e
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.error is None:
+            self.poll()
+            self._stop.wait(self._period)
 
     def __enter__(self) -> _EnergyWatcher:
-        self._thread.start()
+        try:
+            self._last = self._read()
+        except Exception as err:
+            self.error = err
+        if self._ticker is not None:
+            self._sub = self._ticker.subscribe(self.poll, self._period)
+        else:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._ticker is not None:
+            self._ticker.unsubscribe(self._sub)
+            return
         self._stop.set()
         self._thread.join(5)
 
@@ -222,12 +269,16 @@ class _EnergyWatcher:
 class NvidiaDevice(Device):
     """One GPU through CuPy (memory, streams, events, graphs, NVRTC) and cuBLAS (ctypes).
 
-    ``cupy``, ``cublas`` and ``nvml`` are injected in tests (stand-ins checked against the
-    real libraries); by default the real ones are used.
+    ``cupy``, ``cublas``, ``nvml`` and the clock are injected in tests (stand-ins checked
+    against the real libraries, a virtual clock); by default the real ones are used.
     """
 
     def __init__(self, record: GpuRecord, *, memory_budget: int, seed: int = 0,
-                 nvml: Nvml | None = None, cupy: Any = None, cublas: Cublas | None = None):
+                 nvml: Nvml | None = None, cupy: Any = None, cublas: Cublas | None = None,
+                 clock: Callable[[], float] = time.monotonic, ticker: Any = None):
+        """``clock`` and ``ticker`` (tests: a virtual clock) time the host side: the
+        energy window and the watcher's readings."""
+        self._clock, self._ticker = clock, ticker
         if cupy is None:
             cupy = import_gpu_library("cupy", "CuPy")
         self.cp = cupy
@@ -247,17 +298,19 @@ class NvidiaDevice(Device):
             except OSError as e:
                 raise DeviceUnavailable(f"GPU {record.index}: cannot load cuBLAS: {e}") from e
             self.handle = self.blas.create()
-            # A workspace of our own: cuBLAS cannot allocate one while a graph is captured.
+            # The stream first: cublasSetStream resets the handle's workspace to cuBLAS's
+            # default pool (cuBLAS docs, cublasSetStream). Then a workspace of our own, so
+            # that cuBLAS allocates nothing while a graph is captured.
+            self.blas.set_stream(self.handle, self.stream.ptr)
             self._workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
             self.blas.set_workspace(self.handle, self._workspace.data.ptr, WORKSPACE_BYTES)
-            self.blas.set_stream(self.handle, self.stream.ptr)
         sm = int(props["multiProcessorCount"])
-        clock = record.max_sm_clock_hz or float(props["clockRate"]) * 1e3
+        sm_clock = record.max_sm_clock_hz or float(props["clockRate"]) * 1e3
         # Datasheet figures where the catalogue knows the GPU (offline data only have
         # datasheets: the daemon's probes must describe a GPU model the same way).
         self.info = enrich_device_info(DeviceInfo(
             index=record.index, uuid=record.uuid, name=record.name, backend="nvidia",
-            peak_flops=peak_flops(record.compute_capability, sm, clock),
+            peak_flops=peak_flops(record.compute_capability, sm, sm_clock),
             mem_bandwidth=bandwidth(record.mem_bus_width_bits, record.max_mem_clock_hz),
             sm_count=sm, memory_bytes=record.memory_bytes, power_limit_w=record.power_limit_w,
             extra={"pci_bus_id": record.pci_bus_id, "cuda_ordinal": ordinal,
@@ -267,11 +320,15 @@ class NvidiaDevice(Device):
                    "compute_capability": "{}.{}".format(*record.compute_capability),
                    "record": asdict(record)}))
         self.memory_budget = memory_budget
-        self._rng = cupy.random.default_rng(seed)
+        # The generator's state is initialised by a kernel on the current stream: the probe
+        # stream, waited for, so that the first draw (on that stream) reads a ready state.
+        with self._translate("open"), self.dev, self.stream:
+            self._rng = cupy.random.default_rng(seed)
+            self.stream.synchronize()
         self._host_rng = np.random.default_rng(seed)
         self._bufs = BufferCache(memory_budget)
         self._kernels: dict[int, Any] = {}
-        self._chunks: dict[tuple, int] = {}  # GEMMs per graph, fixed after the first run
+        self._chunks: dict[tuple, int] = {}  # GEMMs per graph, calibrated warm, refined
         self._events: list[Any] = []  # reused CUDA events
         self._graphs_ok = True
         self._has_counter = self.energy_j() is not None
@@ -287,7 +344,7 @@ class NvidiaDevice(Device):
         try:
             yield
         except self._errors as e:
-            fatal = isinstance(e, self._faults) or (
+            fatal = (isinstance(e, self._faults) and _sticky(e)) or (
                 isinstance(e, CublasError) and e.status in (STATUS_EXECUTION_FAILED,
                                                             STATUS_INTERNAL_ERROR))
             cls = DeviceFault if fatal else DeviceError
@@ -324,7 +381,12 @@ class NvidiaDevice(Device):
         return None
 
     def _key(self, spec: ProbeSpec) -> tuple:
+        """The buffers' key: tiles of one shape share their inputs and output."""
         return (spec.m, spec.n, spec.k, spec.dtype, spec.kernel, spec.layout)
+
+    def _run_key(self, spec: ProbeSpec) -> tuple:
+        """The key of what is launched: a graph or a chunk size is the tile's own."""
+        return (*self._key(spec), spec.tile)
 
     def _allocate(self, spec: ProbeSpec) -> None:
         key = self._key(spec)
@@ -349,6 +411,7 @@ class NvidiaDevice(Device):
                        "fp16": cp.float16, "bf16": cp.uint16}[spec.dtype]
                 c = cp.zeros(spec.m * spec.n, dtype=out)
             self.stream.synchronize()
+        # Buffers serve every tile of a shape; graphs are kept per (tile, GEMMs per graph).
         self._bufs.put(key, {"a": a, "b": b, "c": c, "graphs": {}}, need)
         if spec.kernel == "tiled":
             self._kernel(spec.tile)
@@ -398,8 +461,9 @@ class NvidiaDevice(Device):
         """A callable that enqueues ``n`` GEMMs: one launch of a CUDA graph captured once
         (cached with the buffers), or, where capture fails, ``n`` direct launches."""
         graphs = bufs["graphs"]
-        if n in graphs:
-            return graphs[n].launch
+        gk = (spec.tile, n)
+        if gk in graphs:
+            return graphs[gk].launch
         launch = self._launcher(spec, bufs)
         if self._graphs_ok:
             try:
@@ -409,7 +473,7 @@ class NvidiaDevice(Device):
                         launch()
                 finally:
                     graph = self.stream.end_capture()
-                graphs[n] = graph
+                graphs[gk] = graph
                 return graph.launch
             except self._errors as e:
                 self._graphs_ok = False
@@ -427,6 +491,45 @@ class NvidiaDevice(Device):
             self._events.append(self.cp.cuda.Event())
         return self._events[:n]
 
+    def _calibrate(self, spec: ProbeSpec, bufs: dict[str, Any]) -> int:
+        """GEMMs per graph for a shape and tile, from warm launches: a first GEMM outside
+        any capture (cuBLAS chooses its kernel and loads its module here, where an error is
+        the probe's, not a failed capture that would turn graphs off for the device's
+        lifetime), then one timed directly; if under ``_MIN_CHUNK_S``, graphs of growing
+        chunks, each launched once untimed (the upload) then three times back to back,
+        until the chunk stops growing. A cold or lone launch includes launch latency and
+        would size the chunk too small. Runs inside ``run_observed``'s context."""
+        get_time = self.cp.cuda.get_elapsed_time
+        a, b, c, d = self._event_pool(4)
+        launch = self._launcher(spec, bufs)
+        launch()  # the warm-up
+        self.stream.synchronize()
+        a.record(self.stream)
+        launch()
+        b.record(self.stream)
+        b.synchronize()
+        per = get_time(a, b) / 1e3
+        chunk = chunk_size(per)
+        if chunk == 1 or not self._graphs_ok:
+            return 1
+        for _ in range(4):
+            replay = self._replay(spec, bufs, chunk)
+            replay()  # uploads the graph: not timed
+            a.record(self.stream)
+            replay()
+            b.record(self.stream)
+            replay()
+            c.record(self.stream)
+            replay()
+            d.record(self.stream)
+            d.synchronize()
+            best = min(get_time(a, b), get_time(b, c), get_time(c, d)) / 1e3
+            new = chunk_size(best / chunk)
+            if new <= chunk:
+                break
+            chunk = new
+        return chunk
+
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
         return self.run_observed(spec, iterations, cancel).times
 
@@ -435,24 +538,31 @@ class NvidiaDevice(Device):
         CUDA event between chunks. Warm-up and timed window run this same code, the energy
         watcher included, so that the window is measured as the warm-up sized it.
 
-        The chunk size is fixed after the first call for a shape (one GEMM, timed); graphs
-        are captured before ``t0``, and ``iterations`` is rounded up to whole chunks.
+        The chunk size is calibrated on the first call for a shape (``_calibrate``) and
+        grown when a later window shows GEMMs faster than it assumed; graphs are captured
+        before ``t0``, and ``iterations`` is rounded up to whole chunks.
         """
         key = self._key(spec)
         bufs = self._bufs.get(key)
         if bufs is None:
             self.prepare(spec)
             bufs = self._bufs[key]
-        chunk = self._chunks.get(key, 1)
-        n = max(1, -(-iterations // chunk))
+        key = self._run_key(spec)
         get_time = self.cp.cuda.get_elapsed_time
         watch = self._has_counter
         with self._translate(f"run {spec.name}"), self.dev, self.stream:
+            if key not in self._chunks:
+                self._chunks[key] = self._calibrate(spec, bufs)
+            chunk = self._chunks[key]
+            n = max(1, -(-iterations // chunk))
             replay = self._replay(spec, bufs, chunk)
             events = self._event_pool(n + 1)
-            with _EnergyWatcher(self.energy_j) if watch else contextlib.nullcontext() as w:
+            watcher: Any = _EnergyWatcher(self.energy_j, clock=self._clock,
+                                          ticker=self._ticker) if watch else \
+                contextlib.nullcontext()
+            with watcher as w:
                 e0 = self.energy_j() if watch else None
-                t0 = time.monotonic()
+                t0 = self._clock()
                 events[0].record(self.stream)
                 done = 0
                 for i in range(n):
@@ -462,7 +572,7 @@ class NvidiaDevice(Device):
                     if cancel.is_set():
                         break
                 events[done].synchronize()
-                t1 = time.monotonic()
+                t1 = self._clock()
                 e1 = self.energy_j() if watch else None
             times: list[float] = []
             for i in range(done):
@@ -473,12 +583,16 @@ class NvidiaDevice(Device):
                 logger.debug("GPU %s: energy watcher: %s", self.record.index, w.error)
             # Only steps seen while the GPU was busy with this work count.
             steps = [s for s in w.steps if t0 <= s[0] <= t1]
-        if times and key not in self._chunks:
-            self._chunks[key] = chunk_size(float(np.median(times)))
+        if times and self._graphs_ok:
+            # Clocks ramp up after idle: a window that shows much faster GEMMs than the
+            # calibration saw grows the chunk for the next call (never shrinks it).
+            grown = chunk_size(float(np.median(times)))
+            if grown >= 2 * chunk:
+                self._chunks[key] = grown
         return Run(times, t0, t1, e0, e1, steps)
 
     def clock(self) -> float:
-        return time.monotonic()
+        return self._clock()
 
     def energy_j(self) -> float | None:
         return self.nvml.energy_j(self.h)

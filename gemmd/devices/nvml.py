@@ -93,15 +93,31 @@ class GpuRecord:
 _IMPORT_LOCK = threading.RLock()
 
 
+def cuda_extra(module: Any = None) -> str:
+    """The extra that matches this host's CUDA driver ("cuda13" for a CUDA 13 driver,
+    "cuda12" for 12), asked of NVML where nvidia-ml-py is installed; "cuda12|cuda13" where
+    it can't be told."""
+    try:
+        nv = module if module is not None else importlib.import_module("pynvml")
+        nv.nvmlInit()
+        major = int(nv.nvmlSystemGetCudaDriverVersion_v2()) // 1000
+    except Exception:  # no pynvml, no driver: say both
+        return "cuda12|cuda13"
+    return f"cuda{major}" if major in (12, 13) else "cuda12|cuda13"
+
+
 def import_gpu_library(name: str, what: str) -> ModuleType:
-    """Import one of the NVIDIA backend's libraries (the cuda12 extra), or say how to get
-    it: DeviceUnavailable, which makes ``backend: auto`` fall back to the CPU."""
+    """Import one of the NVIDIA backend's libraries (the cuda12 or cuda13 extra), or say
+    how to get it: DeviceUnavailable, which makes ``backend: auto`` fall back to the CPU."""
     with _IMPORT_LOCK:
         try:
             return importlib.import_module(name)
         except ImportError as e:
-            raise DeviceUnavailable(f"{what} is not installed (pip install "
-                                    "'gemmd-gpu[cuda12]')") from e
+            extra = cuda_extra() if name != "pynvml" else "cuda12|cuda13"
+            hint = " or ".join(f"pip install 'gemmd-gpu[{x}]'" for x in extra.split("|"))
+            raise DeviceUnavailable(f"{what} is not installed ({hint}"
+                                    f"{' for a CUDA 12 / 13 driver' if '|' in extra else ''})"
+                                    ) from e
 
 
 def import_hiding_cupy(name: str) -> ModuleType:
