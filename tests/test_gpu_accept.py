@@ -1,32 +1,81 @@
 """bench/gpu_accept.py on the simulated GPU, so that the GPU acceptance command cannot rot
-where there is no GPU: every step that can run on the fake backend runs and writes rows."""
+where there is no GPU: every step that can run on the fake backend runs and writes rows,
+into at most 6 files (the lent GPU machine returns 8), SUMMARY.md among them."""
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 import subprocess
 import sys
+import tarfile
 
+import pytest
 from conftest import ROOT
+
+
+def _accept(out, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("GEMMD_CONFIG", None)
+    return subprocess.run([sys.executable, "bench/gpu_accept.py", str(out), "--backend", "fake",
+                           "--quick", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _archive(out) -> dict[str, str]:
+    with tarfile.open(out / "results.tar.gz") as tar:
+        return {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode()
+                for m in tar.getmembers() if m.isfile()}
 
 
 def test_gpu_accept_runs_on_the_fake_backend(tmp_path):
     out = tmp_path / "accept"  # the script creates it
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("GEMMD_CONFIG", None)
-    p = subprocess.run([sys.executable, "bench/gpu_accept.py", str(out), "--backend", "fake",
-                        "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+    p = _accept(out)
     assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(f.name for f in out.iterdir()) == ["SUMMARY.md", "results.tar.gz"]
     summary = (out / "SUMMARY.md").read_text()
     assert "## Figures and targets" in summary and "FAILED" not in summary
-    for step in ("fidelity", "launch"):  # need CuPy/torch on a real GPU
-        assert not (out / f"{step}.csv").exists()
-    assert summary.count("skipped: needs a GPU") >= 2
-    for name in ("probe_default", "sweep", "energy", "noise", "round_cost"):
-        with open(out / f"{name}.csv", newline="") as f:
-            rows = list(csv.DictReader(f))
+    assert "- virtualization: " in summary and "- versions: " in summary
+    files = _archive(out)
+    for step in ("fidelity", "launch", "slowdown"):  # need CuPy/torch/NVML on a real GPU
+        assert f"{step}.csv" not in files
+    assert summary.count("skipped: needs a GPU") >= 3
+    for name in ("probe_default", "sweep", "energy", "noise", "noise_stats", "round_cost"):
+        rows = list(csv.DictReader(io.StringIO(files[f"{name}.csv"])))
         assert rows, name
-    run = (out / "run.txt").read_text()
-    assert "SIGTERM: exit 0" in run
+    stats = list(csv.DictReader(io.StringIO(files["noise_stats.csv"])))
+    assert {"excess_kurtosis", "max_dev_robust_sd", "outliers_per_100"} <= set(stats[0])
+    assert "SIGTERM: exit 0" in files["run.txt"] and "Resident memory" in files["run.txt"]
+    assert files["SUMMARY.md"] == summary
+
+
+def test_a_short_deadline_cuts_the_longest_steps_and_says_so(tmp_path):
+    out = tmp_path / "accept"
+    p = _accept(out, "--deadline", "20")
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = (out / "SUMMARY.md").read_text()
+    assert "Cut by the deadline (granted / asked): " in summary
+    # The 2-minute daemon run, the longest and last, is the one cut.
+    assert "| 11 | gemmd run, scraped, SIGTERM, RSS | cut: deadline |" in summary
+    assert len(list(out.iterdir())) <= 6
+
+
+def test_the_plan_cuts_the_longest_steps_first():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_accept
+
+    assert gpu_accept.plan([10, 50, 150, 130], 400) == [10, 50, 150, 130]
+    # Under its minimum a step gets nothing, and the others share what it leaves.
+    assert gpu_accept.plan([10, 50, 150, 130], 150, [5, 20, 100, 40]) == \
+        pytest.approx([10, 50, 0, 90])
+    got = gpu_accept.plan([10, 50, 150, 130], 250)
+    assert got[:2] == [10, 50] and abs(got[2] - 95) < 0.01 and abs(got[3] - 95) < 0.01
+    assert abs(sum(gpu_accept.plan([10, 50, 150, 130], 100)) - 100) < 0.01
+
+
+def test_a_folder_holding_other_files_is_refused(tmp_path):
+    (tmp_path / "old.csv").write_text("x\n")
+    p = _accept(tmp_path)
+    assert p.returncode == 2 and "holds other files (old.csv)" in p.stderr
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["old.csv"]
