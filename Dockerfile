@@ -4,20 +4,26 @@
 #
 #   make image                      # docker build -t gemmd:$(version) .
 #   docker build --build-arg CUDA=cuda13 -t gemmd:0.1.0-cuda13 .
+#
+# Every Python package comes at the version pinned in requirements/image-${CUDA}.txt (the
+# build backend too), so a rebuild gives the same image; `make lock` moves the pins.
 ARG PYTHON=3.12
 
 FROM python:${PYTHON}-slim AS wheel
+ARG CUDA=cuda12
 WORKDIR /src
+COPY requirements/image-${CUDA}.txt /tmp/constraints.txt
 COPY pyproject.toml README.md LICENSE ./
 COPY gemmd ./gemmd
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
+RUN PIP_CONSTRAINT=/tmp/constraints.txt pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
 FROM python:${PYTHON}-slim
 ARG CUDA=cuda12
 COPY --from=wheel /dist/ /tmp/dist/
+COPY requirements/image-${CUDA}.txt /tmp/constraints.txt
 RUN set -eu; \
-    pip install --no-cache-dir "$(ls /tmp/dist/gemmd_gpu-*.whl)[${CUDA}]"; \
-    rm -rf /tmp/dist; \
+    PIP_CONSTRAINT=/tmp/constraints.txt pip install --no-cache-dir "$(ls /tmp/dist/gemmd_gpu-*.whl)[${CUDA}]"; \
+    rm -rf /tmp/dist /tmp/constraints.txt; \
     mkdir -p /etc/gemmd /var/lib/gemmd /var/cache/gemmd; \
     chown 65532:65532 /var/lib/gemmd /var/cache/gemmd; \
     chmod 0700 /var/lib/gemmd

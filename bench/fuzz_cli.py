@@ -22,7 +22,8 @@ that holds an imported file and a fake GPU's probe round. A case passes when it 
 exit 0, or with exit 1/2 and every stderr line either a `gemmd:` error or a log line; and
 there is no traceback, no hang (--timeout), and no file left in the working directory (a
 relative path given on the command line excepted). `run` cases that start are stopped
-with SIGTERM after 4 s and must exit 0.
+with SIGTERM 3 s after they report ready (READY=1 on $NOTIFY_SOCKET: the SIGTERM handler
+is in place by then, however long the start took) and must exit 0.
 
 Exit 0 on a hostile value is not counted as a failure (a value can be hostile to one
 command and fine for another), but every such case is listed with what it printed, for a
@@ -41,6 +42,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -382,28 +384,68 @@ def run_case(env: Env, case: Case, timeout: float) -> Result:
     cwd = Path(tempfile.mkdtemp(dir=env.root, prefix="cwd-"))
     argv = env.argv(case, cwd)
     t0 = time.monotonic()
-    p = subprocess.Popen([*GEMMD, *argv], cwd=cwd, env=env.environ(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                         errors="replace", start_new_session=True)
-    hung = False
-    try:
-        if case.command == "run":
-            try:
-                out, err = p.communicate(timeout=4)
-            except subprocess.TimeoutExpired:  # it started: stop it as systemd would
-                p.send_signal(signal.SIGTERM)
-                out, err = p.communicate(timeout=30)
-        else:
+    if case.command == "run":
+        rc, out, err, hung = _run_daemon(env, argv, cwd, timeout)
+    else:
+        p = subprocess.Popen([*GEMMD, *argv], cwd=cwd, env=env.environ(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True, errors="replace",
+                             start_new_session=True)
+        hung = False
+        try:
             out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        hung = True
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            hung = True
+        rc = p.returncode
     seconds = time.monotonic() - t0
     relative = {a.split("/")[0] for a in argv if a and not a.startswith("/")}
     stray = sorted(x.name for x in cwd.iterdir() if x.name not in relative)
     shutil.rmtree(cwd, ignore_errors=True)
-    return Result(case, None if hung else p.returncode, out, err, seconds, stray, hung)
+    return Result(case, None if hung else rc, out, err, seconds, stray, hung)
+
+
+RUN_AFTER_READY_S = 3.0  # how long a started `gemmd run` probes before it is stopped
+_READY_IDS = itertools.count(1)
+
+
+def _run_daemon(env: Env, argv: list[str], cwd: Path, timeout: float
+                ) -> tuple[int | None, str, str, bool]:
+    """(exit status, stdout, stderr, hung) of `gemmd run ...`: it either exits, or reports
+    READY=1 and is stopped with SIGTERM as systemd would. Stopping it at a fixed time
+    instead raced its start: on a loaded machine a SIGTERM could come before the handler
+    was installed (exit -15). Hung: neither within ``timeout``, or no stop within 30 s."""
+    name = f"gemmd-fuzz-{os.getpid()}-{next(_READY_IDS)}"  # an abstract socket: no file
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready, \
+            tempfile.TemporaryFile("w+", dir=env.root, errors="replace") as out, \
+            tempfile.TemporaryFile("w+", dir=env.root, errors="replace") as err:
+        ready.bind("\0" + name)
+        ready.settimeout(0.1)
+        p = subprocess.Popen([*GEMMD, *argv], cwd=cwd,
+                             env={**env.environ(), "NOTIFY_SOCKET": "@" + name},
+                             stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        deadline, hung = time.monotonic() + timeout, False
+        try:
+            while p.poll() is None:
+                try:
+                    if b"READY=1" not in ready.recv(4096):
+                        continue
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(p.args, timeout) from None
+                    continue
+                time.sleep(RUN_AFTER_READY_S)
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            hung = True
+        out.seek(0)
+        err.seek(0)
+        return p.returncode, out.read(), err.read(), hung
 
 
 def _short(argv: list[str]) -> str:

@@ -19,6 +19,7 @@ import tempfile
 import time
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,8 @@ MAX_DEPTH = 32  # nesting of lists and mappings (gemmd's own schema needs 6)
 MAX_VALUES = 100_000  # values in the document once YAML aliases are expanded
 MAX_INT_CHARS = 100  # characters of an integer literal (Python's int() refuses > 4,300)
 MAX_PARSE_S = 5.0  # wall time for reading the YAML
+# The clock MAX_PARSE_S is measured on; tests put their own here rather than race it.
+clock: Callable[[], float] = time.monotonic
 MAX_PROBLEMS = 100  # problems reported; the rest are counted
 MAX_SENTINELS = 1000  # sentinel probe configurations per round (each is its own series)
 # NVML's total-energy counter moves in ~100 ms steps (the fake backend simulates the same).
@@ -816,7 +819,7 @@ def _compose(loader: Any, deadline: float) -> Any:
     while True:
         ev = get()
         events += 1
-        if not events & 1023 and time.monotonic() > deadline:
+        if not events & 1023 and clock() > deadline:
             raise _DocError(_path_of(stack), f"reading took longer than {MAX_PARSE_S:g} s",
                             ev.start_mark)
         cls = type(ev)
@@ -999,16 +1002,18 @@ def read_file(path: str | Path) -> tuple[str, str]:
 def read_yaml(text: str, source: str) -> tuple[Any, Any]:
     """(data, root node) of one YAML document, within MAX_DEPTH, MAX_VALUES and
     MAX_PARSE_S, duplicate keys refused; every failure is a ConfigError."""
-    loader, root = None, None
+    deadline = clock() + MAX_PARSE_S
     try:
-        loader = _Loader(text)  # the pure-Python reader checks every character here
-        root = _compose(loader, time.monotonic() + MAX_PARSE_S)
-        return (None if root is None else loader.construct_document(root)), root
+        try:
+            return _read(_Loader, text, deadline)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e)
+            if _Loader is _PyLoader or not _LIBYAML_NESTING.search(problem):
+                raise
+            raise _nesting_problem(text, e, deadline) from e
     except _DocError as e:
-        path, line = e.path, (e.mark.line + 1 if e.mark is not None else None)
-        if e.node is not None:
-            path = _find(root, e.node)
-        raise ConfigError(source, [_problem(path, e.msg, line)]) from e
+        line = e.mark.line + 1 if e.mark is not None else None
+        raise ConfigError(source, [_problem(e.path, e.msg, line)]) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         if mark is not None:
@@ -1025,9 +1030,43 @@ def read_yaml(text: str, source: str) -> tuple[Any, Any]:
         raise ConfigError(source, [f"{where}invalid YAML: {problem}"]) from e
     except RecursionError as e:  # a bound above was missed; still no traceback
         raise ConfigError(source, [f"nested too deeply (limit {MAX_DEPTH})"]) from e
+
+
+def _read(loader_class: type, text: str, deadline: float) -> tuple[Any, Any]:
+    """read_yaml with one parser; a _DocError carries its key path."""
+    loader, root = loader_class(text), None  # the pure-Python reader checks every character
+    try:
+        root = _compose(loader, deadline)
+        return (None if root is None else loader.construct_document(root)), root
+    except _DocError as e:
+        if e.node is not None:
+            e.path = _find(root, e.node)
+        raise
     finally:
-        if loader is not None:
-            loader.dispose()
+        loader.dispose()
+
+
+# libyaml 0.2.6 (in PyYAML 6.0.4's wheels) refuses nesting deeper than 1,000 levels itself:
+# "exceeded maximum nesting depth", no key path. Its scanner reads up to 1,024 characters
+# ahead of the events gemmd composes (a flow collection may turn out to be a mapping key),
+# so "[[[[..." on one line reaches that limit before _compose sees level MAX_DEPTH + 1.
+_LIBYAML_NESTING = re.compile(r"nesting", re.IGNORECASE)
+
+
+def _nesting_problem(text: str, e: yaml.YAMLError, deadline: float) -> _DocError:
+    """gemmd's own problem for a document libyaml refused as nested too deeply: the
+    pure-Python parser, which has no such limit of its own, reads it again and meets
+    MAX_DEPTH (< libyaml's 1,000) first, at the same place as on any other PyYAML."""
+    try:
+        _read(_PyLoader, text, deadline)
+    except _DocError as found:
+        return found
+    except yaml.YAMLError:
+        pass
+    # Not expected (libyaml counts the same collections); still gemmd's message, at
+    # libyaml's position.
+    return _DocError("", f"nested deeper than {MAX_DEPTH} levels",
+                     getattr(e, "problem_mark", None))
 
 
 def load(path: str | Path | None) -> Config:

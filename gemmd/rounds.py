@@ -96,10 +96,13 @@ def device_label(info: Any) -> str:
 class DeviceRunner:
     def __init__(self, device: Device, cfg: Config, store: Store, state: State,
                  registry: ModelRegistry, cancel: threading.Event | None = None,
-                 budget_s: float | None = None):
+                 budget_s: float | None = None, clock: Callable[[], float] = time.monotonic):
         """``budget_s``: probe seconds a round may spend; by default the duty-cycle budget
-        (``duty_cycle x probe_interval_s``); ``math.inf`` runs every probe (gemmd probe)."""
+        (``duty_cycle x probe_interval_s``); ``math.inf`` runs every probe (gemmd probe).
+        ``clock``: the host's monotonic clock, on which the budget and the busy wait are
+        counted (tests inject their own rather than depend on the machine's speed)."""
         self.device = device
+        self._clock = clock
         self.label = device_label(device.info)
         self.cfg = cfg
         self.budget_s = budget_s
@@ -133,7 +136,7 @@ class DeviceRunner:
         GPU always waits (its busy check protects someone else's job)."""
         return (self.device.info.backend == "cpu" and max_wait_s > 0
                 and self._busy_since is not None
-                and time.monotonic() - self._busy_since >= max_wait_s)
+                and self._clock() - self._busy_since >= max_wait_s)
 
     def _skip_all(self, reason: str, n: int) -> None:
         with self.state.lock:
@@ -175,12 +178,12 @@ class DeviceRunner:
         if busy and self._overdue(sched.busy_max_wait_s):
             logger.warning("%s: busy (%s) for %.0f s: probing anyway, the results time the "
                            "contention (schedule.busy_max_wait_s)", self.label, busy,
-                           time.monotonic() - (self._busy_since or 0.0))
+                           self._clock() - (self._busy_since or 0.0))
             busy = None
         self.last_skip = busy
         if busy:
             if self._busy_since is None:
-                self._busy_since = time.monotonic()
+                self._busy_since = self._clock()
             self.busy_skips += 1
             logger.info("%s: skipping round: %s", self.label, busy)
             self._skip_all(busy, len(self.plan))
@@ -202,7 +205,7 @@ class DeviceRunner:
             check = bool(mcfg.check_every) and self._checks[spec] % mcfg.check_every == 0
             # The parent's clock: asking a worker-process device for its clock would restart
             # a worker that was just killed for hanging.
-            t0 = time.monotonic()
+            t0 = self._clock()
             m = None
             with self.state.lock:
                 ds.in_flight_since, ds.in_flight = time.time(), spec.name
@@ -222,7 +225,7 @@ class DeviceRunner:
             finally:
                 # A simulated device's time passes faster than the wall clock: count the
                 # longer of the two.
-                spent = max(time.monotonic() - t0, m.elapsed_s if m is not None else 0.0)
+                spent = max(self._clock() - t0, m.elapsed_s if m is not None else 0.0)
                 used += spent
                 with self.state.lock:
                     ds.in_flight_since, ds.in_flight = None, ""

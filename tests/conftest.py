@@ -17,6 +17,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gemmd.daemon import STOP_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -65,6 +67,54 @@ def scrape(port: int, timeout: float = 2.0) -> dict[str, list]:
         for s in fam.samples:
             out.setdefault(s.name, []).append(s)
     return out
+
+
+# A bound on waiting that only a hang reaches: a test waits for an event, never races a
+# clock, and this is how long it waits before calling the event missing. Far above what
+# anything here takes on a loaded machine (CPU burners beside the suite: make test-loaded).
+HANG_S = 60.0
+# How long a stopped daemon may take: its own stop deadline, plus the margin that the
+# systemd unit's TimeoutStopSec and the pod's grace period leave above it (both checked in
+# test_systemd.py and test_kubernetes.py against this same expression).
+STOP_GRACE_S = max(15.0, STOP_TIMEOUT_S + 5)
+
+
+class ManualClock:
+    """A monotonic clock that moves only when the test moves it (injected where gemmd
+    takes a clock), so that what a test checks does not depend on the machine's speed."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _HostTimeStandingStill:
+    """The ``time`` module as gemmd.devices.fake sees it under ``simulated_fake_clock``:
+    monotonic() stands still; everything else is the real module's."""
+
+    def __init__(self, clock: ManualClock):
+        self.monotonic = clock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def simulated_fake_clock(monkeypatch) -> ManualClock:
+    """The fake GPU's clock (host time + simulated device time) without the host's part:
+    it moves by simulated device time only, so windows, energy steps and elapsed times
+    are the same on an idle and on a loaded machine. In this process only (not in worker
+    processes or daemons the test starts)."""
+    from gemmd.devices import fake
+
+    clock = ManualClock()
+    monkeypatch.setattr(fake, "time", _HostTimeStandingStill(clock))
+    return clock
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, proc=None) -> Any:
@@ -120,7 +170,7 @@ class DaemonProc(LoggedProc):
         super().__init__([sys.executable, "-m", "gemmd", "run", "--config", str(config),
                           *args], log, {**os.environ, **(env or {})})
 
-    def terminate(self, timeout: float = 10.0) -> tuple[int, float]:
+    def terminate(self, timeout: float = STOP_GRACE_S) -> tuple[int, float]:
         t0 = time.monotonic()
         self.p.send_signal(signal.SIGTERM)
         rc = self.p.wait(timeout=timeout)

@@ -321,6 +321,35 @@ def test_deep_nesting_is_refused(tmp_path, loader, depth, opener, closer, gist_p
     assert f"nested deeper than {config.MAX_DEPTH} levels (line " in problem
 
 
+class _RefusesNestingItself(config._PyLoader):
+    """A parser with a nesting limit of its own, as libyaml 0.2.6 (PyYAML 6.0.4's wheels)
+    has: it refuses before gemmd's composer sees any event, with its own message."""
+
+    def get_event(self):
+        raise yaml.scanner.ScannerError(
+            None, None, "exceeded maximum nesting depth", yaml.error.Mark("<file>", 1007, 1, 8,
+                                                                           None, None))
+
+
+@pytest.mark.parametrize("opener, closer, gist_path", [
+    ("[", "]", "probes[0][0][0]"), ("{a: ", "}", "probes.a.a.a"), ("- ", "", "probes[0][0]")])
+def test_a_parser_that_refuses_deep_nesting_itself_still_names_the_key_path(
+        tmp_path, monkeypatch, opener, closer, gist_path):
+    # Whichever PyYAML and libyaml read the file: gemmd's one line with the key path.
+    monkeypatch.setattr(config, "_Loader", _RefusesNestingItself)
+    text = "x: 1\nprobes: " + ("\n" if opener == "- " else "") + opener * 2000 + "1" + \
+        closer * 2000
+    problem = only_problem(tmp_path, text + "\n")
+    assert problem.startswith(gist_path)
+    assert f"nested deeper than {config.MAX_DEPTH} levels (line " in problem
+
+
+def test_nesting_refused_by_the_parser_alone_is_still_gemmds_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "_Loader", _RefusesNestingItself)
+    assert only_problem(tmp_path, "probes: [[1]]\n") == \
+        f"<top>: nested deeper than {config.MAX_DEPTH} levels (line 2)"
+
+
 @pytest.mark.parametrize("where", ["top", "value", "list"])
 def test_alias_bomb_is_refused_quickly(tmp_path, loader, where):
     lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
@@ -366,22 +395,56 @@ def test_dev_zero_is_refused_with_a_bounded_read():
     assert ei.value.problems == ["larger than 1024 KiB: not a configuration file"]
 
 
+class TickingClock:
+    """config.clock, injected: every reading is ``step`` seconds after the previous one, so
+    the parse-time cap fires after a fixed amount of work, however fast the machine is."""
+
+    def __init__(self, step: float):
+        self.step, self.now, self.reads = step, 0.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        self.now += self.step
+        return self.now
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch):
+    """No time passes while a test reads YAML: the parse-time cap never fires, whatever
+    else runs on the machine (a test about another cap must not race this one)."""
+    clock = TickingClock(0.0)
+    monkeypatch.setattr(config, "clock", clock)
+    return clock
+
+
 def test_parse_time_is_capped(tmp_path, loader, monkeypatch):
-    monkeypatch.setattr(config, "MAX_PARSE_S", -1.0)  # the deadline has passed already
-    problem = only_problem(tmp_path, "devices: [" + ", ".join(["0"] * 3000) + "]\n")
-    assert "reading took longer than -1 s" in problem
+    # The clock is read once for the deadline (5 s later), then once per 1,024 events, each
+    # reading a second later: it has passed at the 6th of those, 6 x 1,024 events in.
+    clock = TickingClock(1.0)
+    monkeypatch.setattr(config, "clock", clock)
+    problem = only_problem(tmp_path, "devices: [" + ", ".join(["0"] * 10_000) + "]\n")
+    assert problem == "devices[6140]: reading took longer than 5 s (line 1)"
+    assert clock.reads == 1 + 6
 
 
-def test_large_file_is_read_quickly(tmp_path, loader):
-    # ~1 MB: 5.5-10 s with the pure-Python parser before; now parsed by libyaml, and the
-    # value cap ends a document this large within a second either way.
+def test_parse_time_cap_is_not_reached_by_a_normal_file(tmp_path, loader, monkeypatch):
+    clock = TickingClock(1.0)
+    monkeypatch.setattr(config, "clock", clock)
+    assert load(SHIPPED) == Config()
+    assert clock.reads == 1  # a few hundred events: the clock is read only for the deadline
+
+
+def test_large_file_is_refused_by_the_value_cap(tmp_path, loader, frozen_clock):
+    # ~1 MB: the value cap ends it, with either parser, before it is read in full. (It took
+    # 5.5-10 s with the pure-Python parser before the cap; the time cap is another test's.)
     row = "    - {shapes: [[1024, 1024, 1024]], dtypes: [fp32], kernels: [blas]}\n"
     text = "probes:\n  sentinels:\n" + row * (1_000_000 // len(row))
     problem = only_problem(tmp_path, text)  # refused by the value cap, not read in full
     assert f"more than {config.MAX_VALUES:,} values" in problem
+    assert problem.startswith("probes.sentinels[")
 
 
-def test_a_commented_file_near_the_size_cap_loads(tmp_path, loader):
+def test_a_commented_file_near_the_size_cap_loads(tmp_path, loader, frozen_clock):
     text = SHIPPED.read_text()
     text += "# padding\n" * ((config.MAX_FILE_BYTES - len(text)) // 10)
     p = tmp_path / "c.yaml"

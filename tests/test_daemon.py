@@ -6,6 +6,8 @@ import dataclasses
 import logging
 import time
 
+from conftest import HANG_S
+
 from gemmd.config import Config, FakeConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
 from gemmd.daemon import Daemon
 from gemmd.store import Store
@@ -29,12 +31,14 @@ def test_a_hung_device_in_thread_isolation_does_not_log_every_interval(tmp_path,
     with caplog.at_level(logging.WARNING):
         d.start()
         try:
-            time.sleep(4.5)
+            # Three rounds of the other GPU: two intervals at least in which the hung round
+            # still held its job (counted, not timed: a loaded machine runs fewer a second).
+            healthy = d.state.devices[d.devices[1].info.uuid]
+            _wait(lambda: healthy.probes_total[("sentinel", "ok")] >= 3,
+                  "3 probes of the other GPU")
         finally:
             d.stop()
     assert "maximum number of running instances" not in caplog.text
-    healthy = d.state.devices[d.devices[1].info.uuid]
-    assert healthy.probes_total[("sentinel", "ok")] >= 3  # the other GPU kept probing
 
 
 def _busy_daemon(tmp_path, retry):
@@ -51,21 +55,41 @@ def _busy_daemon(tmp_path, retry):
     return Daemon(cfg)
 
 
-def _run_for(d: Daemon, seconds: float) -> Daemon:
+def _wait(pred, what: str, timeout: float = HANG_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.05)
+
+
+def _run_until(d: Daemon, pred, what: str, timeout: float = HANG_S) -> Daemon:
     d.start()
     try:
-        time.sleep(seconds)
+        _wait(lambda: pred(d), what, timeout)
     finally:
         d.stop()
     return d
 
 
+def _rounds(d: Daemon) -> int:
+    return d.state.devices[d.devices[0].info.uuid].rounds_total
+
+
 def test_a_round_skipped_as_busy_is_retried_soon_not_a_whole_interval_later(tmp_path):
-    d = _run_for(_busy_daemon(tmp_path / "a", retry=0.5), 2.0)
+    # Three rounds within half the 60 s probe interval can only be busy retries (0.5 s).
+    d = _run_until(_busy_daemon(tmp_path / "a", retry=0.5), lambda d: _rounds(d) >= 3,
+                   "3 rounds (busy retries)", timeout=30)
     ds = d.state.devices[d.devices[0].info.uuid]
-    assert ds.rounds_total >= 3 and ds.skipped_total["utilization"] >= 3
-    d = _run_for(_busy_daemon(tmp_path / "b", retry=0), 1.0)
-    assert d.state.devices[d.devices[0].info.uuid].rounds_total == 1
+    assert ds.skipped_total["utilization"] >= 3
+    # Without busy retries, the first round is the only one (the next is 60 s later).
+    d = _busy_daemon(tmp_path / "b", retry=0)
+    d.start()
+    try:
+        _wait(lambda: _rounds(d) >= 1, "the first round")
+        time.sleep(1.0)  # where retries every 0.5 s would have run twice more
+    finally:
+        d.stop()
+    assert _rounds(d) == 1
 
 
 def test_busy_retries_back_off_from_5_s_to_busy_retry_s():
@@ -121,7 +145,9 @@ def test_the_refit_job_records_each_outcome_in_the_state_once(tmp_path):
     finally:
         d.stop()
     # A restart loads the same model: no second model event.
-    d = _run_for(Daemon(cfg), 0.5)
+    d = Daemon(cfg)
+    d.start()  # loads the active model before it returns
+    d.stop()
     assert d.state.model.version == model.version
     store = Store(tmp_path / "gemmd.db")
     try:

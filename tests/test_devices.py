@@ -3,7 +3,6 @@
 import math
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -293,16 +292,18 @@ def test_cpu_busy_check_sees_other_processes_not_our_own_work():
     import sys
 
     dev = CpuDevice()
-    burn = "import time\nt = time.time() + 5\nwhile time.time() < t: pass\n"
-    procs = [subprocess.Popen([sys.executable, "-c", burn])
+    burn = "print('burning', flush=True)\nwhile True: pass\n"  # until killed
+    procs = [subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
              for _ in range(max(1, len(os.sched_getaffinity(0))))]
     try:
-        time.sleep(0.3)
+        for p in procs:  # every burner runs (however long a loaded machine takes to start
+            assert p.stdout.readline() == "burning\n"  # them) before the host is sampled
         assert dev.busy_reason() == "host_busy"
     finally:
         for p in procs:
             p.kill()
             p.wait()
+            p.stdout.close()
 
 
 def test_buffer_cache_drops_the_least_recently_used_to_stay_in_budget():

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import time
 
 import yaml
-from conftest import FAST_FAKE, ROOT, free_port, merge, scrape, wait_for, write_config
+from conftest import (
+    FAST_FAKE,
+    HANG_S,
+    ROOT,
+    STOP_GRACE_S,
+    free_port,
+    merge,
+    scrape,
+    wait_for,
+    write_config,
+)
 
 
 def _labels_of(samples, **want):
@@ -61,7 +70,7 @@ def test_run_scrape_sigterm_restart_keeps_history_and_model(tmp_path, daemon_fac
     assert version.startswith("rf-")
 
     rc, took = d.terminate()
-    assert rc == 0 and took < 10, (rc, took, d.read_log())
+    assert rc == 0 and took < STOP_GRACE_S, (rc, took, d.read_log())
     assert "Traceback" not in d.read_log()
     rows = _db_rows(state / "gemmd.db")
     assert rows >= 15
@@ -72,13 +81,13 @@ def test_run_scrape_sigterm_restart_keeps_history_and_model(tmp_path, daemon_fac
         "listen": {"port": port2}, "state_dir": str(state),
         "schedule": {"probe_interval_s": 3600}}))
     d2 = daemon_factory(cfg2)
-    m2 = wait_for(lambda: scrape(port2), 30, "restarted daemon", d2)
+    m2 = wait_for(lambda: scrape(port2), HANG_S, "restarted daemon", d2)
     assert m2["gemmd_model_info"][0].labels["version"] == version
     assert m2["gemmd_model_training_samples"][0].value >= 15
     assert m2.get("gemmd_probe_runtime_seconds"), "stored results were not restored"
     assert _db_rows(state / "gemmd.db") >= rows
     rc, took = d2.terminate()
-    assert rc == 0 and took < 10
+    assert rc == 0 and took < STOP_GRACE_S
 
 
 def test_sigkill_during_probing_loses_no_committed_result(tmp_path, daemon_factory):
@@ -103,7 +112,7 @@ def test_sigkill_during_probing_loses_no_committed_result(tmp_path, daemon_facto
         con.close()
 
 
-def test_sigterm_abandons_a_hung_probe_within_10s(tmp_path, daemon_factory):
+def test_sigterm_abandons_a_hung_probe_within_the_stop_grace(tmp_path, daemon_factory):
     port, state = free_port(), tmp_path / "state"
     cfg = write_config(tmp_path / "gemmd.yaml", **merge(FAST_FAKE, {
         "listen": {"port": port}, "state_dir": str(state),
@@ -114,13 +123,14 @@ def test_sigterm_abandons_a_hung_probe_within_10s(tmp_path, daemon_factory):
         m = scrape(port)
         return _labels_of(m.get("gemmd_device_probe_in_flight_seconds", []), gpu="0")
 
-    wait_for(hung, 30, "GPU 0's probe to hang", d)
+    wait_for(hung, HANG_S, "GPU 0's probe to hang", d)
     # The other GPU keeps probing while GPU 0 hangs.
     n1 = sum(s.value for s in _labels_of(scrape(port)["gemmd_probes_total"], gpu="1"))
     wait_for(lambda: sum(s.value for s in _labels_of(scrape(port)["gemmd_probes_total"],
-                                                     gpu="1")) > n1, 20, "GPU 1 to go on", d)
+                                                     gpu="1")) > n1, HANG_S, "GPU 1 to go on",
+             d)
     rc, took = d.terminate()
-    assert rc == 0 and took < 10, (rc, took)
+    assert rc == 0 and took < STOP_GRACE_S, (rc, took)
     assert "abandoned" in d.read_log()
 
 
@@ -137,13 +147,13 @@ def test_process_isolation_kills_a_hung_probe_and_keeps_probing(tmp_path, daemon
         return sum(s.value for s in _labels_of(m["gemmd_probes_total"], gpu="0",
                                                outcome="failed"))
 
-    wait_for(failed_on_gpu0, 40, "the hung probe on GPU 0 to be killed and counted", d)
+    wait_for(failed_on_gpu0, HANG_S, "the hung probe on GPU 0 to be killed and counted", d)
     m = scrape(port)
     assert sum(s.value for s in _labels_of(m["gemmd_probes_total"], gpu="1", outcome="ok")) >= 5
     log = d.read_log()
     assert "did not return within 2 s; worker killed" in log
     rc, took = d.terminate()
-    assert rc == 0 and took < 10, (rc, took)
+    assert rc == 0 and took < STOP_GRACE_S, (rc, took)
 
 
 def test_default_config_on_cpu_serves_measured_and_predicted(tmp_path, daemon_factory):
@@ -164,12 +174,10 @@ def test_default_config_on_cpu_serves_measured_and_predicted(tmp_path, daemon_fa
         return m.get("gemmd_probe_runtime_seconds") and \
             m.get("gemmd_probe_runtime_predicted_seconds") and m
 
-    t0 = time.monotonic()
-    m = wait_for(both, 60, "CPU measured and predicted series", d)
-    assert time.monotonic() - t0 < 60
+    m = wait_for(both, HANG_S, "CPU measured and predicted series", d)
     backends = {s.labels["backend"] for s in m["gemmd_device_info"]}
     assert backends == {"cpu"}
     assert m["gemmd_model_info"][0].labels["kind"] == "roofline"
     rc, took = d.terminate()
-    assert rc == 0 and took < 10
+    assert rc == 0 and took < STOP_GRACE_S
     assert "using the CPU backend" in d.read_log() or "cpu" in d.read_log().lower()

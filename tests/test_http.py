@@ -22,6 +22,7 @@ from pathlib import Path
 
 import bcrypt
 import pytest
+from conftest import HANG_S
 
 from gemmd.errors import ConfigError
 from gemmd.exporter.exposition import Exposition
@@ -34,17 +35,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # ------------------------------------------------------------------------------ helpers
 
 class CountingExposition(Exposition):
-    """A real Exposition that counts renders and can be made slow."""
+    """A real Exposition that counts renders and can be made slow: ``delay`` seconds, or
+    until ``gate`` is set (a render that cannot end before the test says so)."""
 
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, gate: threading.Event | None = None):
         super().__init__(State(), process=False)
         self.calls = 0
         self.delay = delay
+        self.gate = gate
 
     def body(self, gzip_ok: bool = False) -> bytes:
         self.calls += 1
         if self.delay:
             time.sleep(self.delay)
+        if self.gate is not None:
+            self.gate.wait(HANG_S)
         return super().body(gzip_ok)
 
 
@@ -198,17 +203,16 @@ def basic(user: str, password: str) -> dict:
 
 def test_idle_connections_cannot_stop_scrapes(start):
     """More idle connections than the limit: the ones waiting longest are closed, a scrape
-    is answered at once."""
-    httpd = start(max_connections=20, read_timeout=30)
+    is answered at once (idle connections time out only after an hour here: a scrape that
+    waited for a free slot would never be answered)."""
+    httpd = start(max_connections=20, read_timeout=3600)
     idle = [socket.create_connection(("127.0.0.1", httpd.server_port), timeout=5)
             for _ in range(60)]
     try:
-        t = time.monotonic()
-        status, _, body = request(httpd.server_port, timeout=5)
+        status, _, body = request(httpd.server_port, timeout=HANG_S)
         assert status == 200 and b"gemmd_build_info" in body
-        assert time.monotonic() - t < 2.0
         # The oldest idle connections were closed by the server (EOF), not left to hang.
-        idle[0].settimeout(5)
+        idle[0].settimeout(HANG_S)
         assert idle[0].recv(10) == b""
     finally:
         for s in idle:
@@ -219,52 +223,52 @@ def test_idle_and_slow_clients_time_out(start):
     httpd = start(read_timeout=0.5)
     port = httpd.server_port
     # Connected, sending nothing: closed without an answer.
-    t = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        assert read_all(s, 5) == b""
-    assert time.monotonic() - t < 3
-    # A request trickled a byte at a time: cut at the deadline with 408, not per byte.
+        assert read_all(s, HANG_S) == b""
+    # A request trickled a byte every 0.05 s: cut at the deadline with 408. A timeout per
+    # byte (0.5 s) would never fire while the bytes keep coming.
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"GET /metrics HTTP/1.1\r\n")
-        t = time.monotonic()
+        deadline = time.monotonic() + HANG_S
         got = b""
-        for _ in range(50):
+        while not got and time.monotonic() < deadline:
             try:
                 s.sendall(b"X")
             except OSError:
                 break
-            s.settimeout(0.1)
+            s.settimeout(0.05)
             try:
                 got += s.recv(4096)
             except TimeoutError:
                 continue
             except ConnectionResetError:
                 break
-            if got:
-                break
-        got += read_all(s, 5) if got and not got.endswith(b"\n") else b""
-        assert time.monotonic() - t < 3
+        got += read_all(s, HANG_S) if got and not got.endswith(b"\n") else b""
         assert status_of(got) == 408
 
 
 def test_excess_requests_get_503_at_once_not_a_queue(start):
     """One render at a time and one in flight: a second request is answered 503 with
-    Retry-After at once; health endpoints are answered meanwhile."""
-    exp = CountingExposition(delay=1.0)
+    Retry-After at once; health endpoints are answered meanwhile. The first render cannot
+    end until the test has both answers, so neither can have waited for it."""
+    gate = threading.Event()
+    exp = CountingExposition(gate=gate)
     httpd = start(exp, workers=1, max_inflight=1)
     port = httpd.server_port
     first: list = []
-    t = threading.Thread(target=lambda: first.append(request(port)))
+    t = threading.Thread(target=lambda: first.append(request(port, timeout=HANG_S)))
     t.start()
-    deadline = time.monotonic() + 5
-    while exp.calls == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    t0 = time.monotonic()
-    status, headers, _ = request(port)
-    assert status == 503 and headers["Retry-After"] == "1"
-    assert request(port, "/-/healthy")[0] == 200
-    assert time.monotonic() - t0 < 0.5
-    t.join(timeout=5)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while exp.calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, headers, _ = request(port)
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert request(port, "/-/healthy")[0] == 200
+        assert not first  # still rendering
+    finally:
+        gate.set()
+    t.join(timeout=HANG_S)
     assert first and first[0][0] == 200
 
 
@@ -285,7 +289,7 @@ def test_listen_backlog_holds_a_burst_while_the_server_is_busy(start):
         for s in socks:
             s.settimeout(5)
             s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert all(status_of(read_all(s, 5)) == 200 for s in socks)
+        assert all(status_of(read_all(s, HANG_S)) == 200 for s in socks)
     finally:
         release.set()
         for s in socks:
@@ -336,7 +340,7 @@ def test_out_of_file_descriptors_backs_off_logs_once_and_recovers(tmp_path):
         for s in idle:
             s.close()
         idle.clear()
-        deadline, status = time.monotonic() + 10, None
+        deadline, status = time.monotonic() + HANG_S, None
         while time.monotonic() < deadline and status != 200:
             try:
                 status = request(port, "/metrics", timeout=3)[0]
@@ -379,13 +383,12 @@ def test_malformed_requests_get_an_answer_and_are_closed(start, data, status):
 
 
 def test_garbage_line_is_answered_before_the_head_ends(start):
-    """A garbage first line is answered at once, without waiting for more."""
-    httpd = start(read_timeout=30)
+    """A garbage first line is answered at once, without waiting for more (the head's
+    deadline is an hour away here)."""
+    httpd = start(read_timeout=3600)
     with socket.create_connection(("127.0.0.1", httpd.server_port), timeout=5) as s:
         s.sendall(b"\x00\x01garbage\r\n")
-        t = time.monotonic()
-        assert status_of(read_all(s, 5)) == 400
-        assert time.monotonic() - t < 1
+        assert status_of(read_all(s, HANG_S)) == 400
 
 
 def test_a_request_with_a_body_and_a_half_close_still_get_an_answer(start):
@@ -635,7 +638,7 @@ def test_tls_idle_handshakes_time_out_and_are_evicted(start, tmp_path, pki):
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(40)]
     try:
         assert request(port, context=client_context(pki))[0] == 200
-        assert read_all(idle[-1], 5) == b""  # no ClientHello: closed after read_timeout
+        assert read_all(idle[-1], HANG_S) == b""  # no ClientHello: closed after read_timeout
     finally:
         for s in idle:
             s.close()
@@ -676,7 +679,7 @@ def test_client_allowed_sans(start, tmp_path, pki, sans, ok):
             request(port, context=client_context(pki, "client"))
 
 
-def test_certificate_files_are_reloaded_when_they_change(start, tmp_path, pki):
+def test_certificate_files_are_reloaded_when_they_change(start, tmp_path, pki, caplog):
     d = tmp_path / "live"
     d.mkdir()
     for f in ("server.pem", "server.key"):
@@ -694,12 +697,16 @@ def test_certificate_files_are_reloaded_when_they_change(start, tmp_path, pki):
     make_cert(pki, "server2", "ca", "server")
     (d / "server.key").write_bytes((pki / "server2.key").read_bytes())
     (d / "server.pem").write_bytes((pki / "server2.pem").read_bytes())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while served_serial() == first:
         assert time.monotonic() < deadline, "the new certificate was never served"
         time.sleep(0.3)
     (d / "server.pem").write_text("not a certificate")  # broken: keeps the last good one
-    time.sleep(1.2)
+    deadline = time.monotonic() + HANG_S
+    while "cannot be loaded" not in caplog.text:  # until the server has seen the change
+        assert time.monotonic() < deadline, "the broken certificate was never noticed"
+        time.sleep(0.3)
+        served_serial()  # a handshake is what makes the server look at the files
     assert served_serial() != first
 
 
@@ -740,15 +747,9 @@ def test_basic_auth_caches_bcrypt_and_compares_in_constant_time(monkeypatch):
     real = auth._checkpw
     monkeypatch.setattr(auth, "_checkpw", lambda pw, h: calls.append(pw) or real(pw, h))
     good = basic("prometheus", "s3cret")["Authorization"]
-    t = time.perf_counter()
-    assert auth.check(good)
-    first = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(100):
+    for _ in range(101):
         assert auth.check(good)
-    cached = (time.perf_counter() - t) / 100
-    assert len(calls) == 1  # bcrypt ran once
-    assert cached < first / 20 and cached < 1e-3, (first, cached)
+    assert len(calls) == 1  # bcrypt ran once; the other 100 checks were answered from the cache
     # A wrong password is checked by bcrypt once, then refused from the cache.
     bad = basic("prometheus", "guess")["Authorization"]
     assert not auth.check(bad) and not auth.check(bad)
@@ -779,7 +780,7 @@ def test_clients_that_vanish_leave_nothing_behind(start, tmp_path, pki):
             s.close()
         ctx = client_context(pki) if cfg else None
         assert request(port, context=ctx)[0] == 200
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + HANG_S
         while (httpd.conns or httpd.inflight) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not httpd.conns and httpd.inflight == 0 and not httpd.waiting

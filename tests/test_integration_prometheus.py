@@ -35,7 +35,9 @@ from conftest import (
 
 RULES = ROOT / "deploy" / "prometheus" / "gemmd.rules.yml"
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
-BUDGET_S = 150  # the whole test, Prometheus and daemon start included
+# The whole test, Prometheus and daemon start included: a bound against a hang, not a speed
+# target (~35 s on an idle machine; each step waits for what it checks).
+BUDGET_S = 300
 # On the fake GPU's own clock, which runs ahead of wall time by the simulated probe time
 # (about 0.75 s per wall second with FAST_FAKE). Measured: the first model is fitted after
 # ~5 s and the 5-result drift references are all taken by ~27 s of device time (~15 s of
@@ -263,14 +265,10 @@ def test_prometheus_evaluates_every_rule_and_dashboard_query_and_alerts_on_the_s
            if r["health"] != "ok"]
     assert not bad, bad
 
-    failures = []
+    checks: list[tuple[str, str, bool]] = []  # (where, expression, must return data)
 
     def check(where: str, expr: str, need_data: bool) -> None:
-        r = prom.query(expr)
-        if r.get("status") != "success":
-            failures.append(f"{where}: error {r.get('errorType')}: {r.get('error')}\n  {expr}")
-        elif need_data and not r["data"]["result"]:
-            failures.append(f"{where}: no data\n  {expr}")
+        checks.append((where, expr, need_data))
 
     # 5. Every rule expression returns data, but for the alerts listed in MAY_BE_EMPTY.
     for g in shipped:
@@ -294,7 +292,28 @@ def test_prometheus_evaluates_every_rule_and_dashboard_query_and_alerts_on_the_s
                            else {"instance": ".+", "gpu": ".+", "probe": ".+"})
         for where, expr in dashboard_queries(dash, values):
             check(where, expr, not EXPORTER_QUERY.search(expr))
-    assert not failures, "\n".join(failures)
+
+    # Some series exist only once the daemon has taken their drift references, and the
+    # power and energy ones take longer than the runtime ones waited for above (~45 s of
+    # wall time on an idle machine): wait for every answer rather than race them.
+    failures: list[str] = []
+
+    def every_query_answers() -> bool:
+        failures.clear()
+        for where, expr, need_data in checks:
+            r = prom.query(expr)
+            if r.get("status") != "success":
+                failures.append(f"{where}: error {r.get('errorType')}: {r.get('error')}\n"
+                                f"  {expr}")
+            elif need_data and not r["data"]["result"]:
+                failures.append(f"{where}: no data\n  {expr}")
+        return not failures
+
+    try:
+        wait_for(every_query_answers, left(), "every rule and dashboard query to answer",
+                 prom)
+    except AssertionError:
+        pytest.fail("\n".join(failures))
 
     # 7. Still nothing for the healthy GPU.
     slow_gpu_alert()

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, STOP_GRACE_S
 
 from gemmd.config import parse
-from gemmd.daemon import STOP_TIMEOUT_S
 
 K8S = ROOT / "deploy" / "kubernetes"
 RULES = ROOT / "deploy" / "prometheus" / "gemmd.rules.yml"
@@ -170,7 +169,7 @@ def test_gpus_are_visible_but_not_requested():
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
-    assert spec["terminationGracePeriodSeconds"] >= max(15, STOP_TIMEOUT_S + 5)
+    assert spec["terminationGracePeriodSeconds"] >= STOP_GRACE_S
 
 
 # ------------------------------------------------------------------ rendered and validated

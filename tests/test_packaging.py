@@ -73,8 +73,15 @@ def test_dockerfile_runs_the_wheel_as_65532_with_the_cuda_extra_and_a_healthchec
     text = (ROOT / "Dockerfile").read_text()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     assert "USER 65532:65532" in lines
-    assert 'pip install --no-cache-dir "$(ls /tmp/dist/gemmd_gpu-*.whl)[${CUDA}]"; \\' in lines
+    assert ('PIP_CONSTRAINT=/tmp/constraints.txt pip install --no-cache-dir '
+            '"$(ls /tmp/dist/gemmd_gpu-*.whl)[${CUDA}]"; \\') in lines
     assert "ARG CUDA=cuda12" in lines
+    # At the versions of the image's lock (built and installed), one per CUDA extra.
+    assert lines.count("COPY requirements/image-${CUDA}.txt /tmp/constraints.txt") == 2
+    assert "PIP_CONSTRAINT=/tmp/constraints.txt pip wheel" in text
+    for cuda in ("cuda12", "cuda13"):
+        lock = (ROOT / "requirements" / f"image-{cuda}.txt").read_text()
+        assert f"\ncupy-{cuda}x==" in lock and "\nsetuptools==" in lock
     health = next(ln for ln in lines if ln.startswith("CMD [\"python\", \"-c\""))
     assert "/-/healthy" in health
     assert lines[-1] == ('CMD ["run", "--config", "/etc/gemmd/gemmd.yaml", "--state-dir", '
@@ -82,3 +89,29 @@ def test_dockerfile_runs_the_wheel_as_65532_with_the_cuda_extra_and_a_healthchec
     # The DaemonSet runs the same user and paths.
     ds = (ROOT / "deploy/kubernetes/daemonset.yaml").read_text()
     assert "runAsUser: 65532" in ds and "mountPath: /var/lib/gemmd" in ds
+
+
+def test_the_locks_pin_every_dependency_within_pyprojects_ranges():
+    """requirements/*.txt (what `make test` and the image install) follow pyproject.toml: a
+    dependency added or a range moved without `make lock UPGRADE=` fails here, not later as
+    an unpinned install."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for lock, reqs in (("test.txt", project["dependencies"] + extras["test"]),
+                       ("image-cuda12.txt", project["dependencies"] + extras["cuda12"]),
+                       ("image-cuda13.txt", project["dependencies"] + extras["cuda13"])):
+        pins: dict[str, list[str]] = {}
+        for line in (ROOT / "requirements" / lock).read_text().splitlines():
+            if "==" in line and not line.startswith((" ", "#")):
+                name, version = line.split(";")[0].strip().split("==")
+                pins.setdefault(canonicalize_name(name), []).append(version)
+        for text in reqs:
+            req = Requirement(text)
+            versions = pins.get(canonicalize_name(req.name))
+            assert versions, f"requirements/{lock} has no pin for {text!r}: make lock UPGRADE="
+            assert all(v in req.specifier for v in versions), \
+                f"requirements/{lock}: {req.name} {versions} outside {text!r}: make lock UPGRADE="

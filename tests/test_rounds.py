@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import HANG_S, ManualClock
 
 from gemmd.config import (
     Config,
@@ -38,17 +39,20 @@ def _cfg(**over) -> Config:
 
 
 @pytest.fixture
-def env(tmp_path):
+def env(tmp_path, simulated_fake_clock):
+    """Runners on fake GPUs whose probes take simulated device time only, on a host clock
+    that stands still unless a test moves it: the duty-cycle budget counts the same probes
+    on an idle and on a loaded machine."""
     store = Store(tmp_path / "gemmd.db")
     state = State()
 
-    def make(dev_cfg=None, cfg=None, index=0):
+    def make(dev_cfg=None, cfg=None, index=0, clock=None):
         cfg = cfg or _cfg()
         dev = FakeDevice(index, dev_cfg or FakeDeviceConfig())
         store.upsert_device(dev.info.uuid, index, dev.info.name, "fake",
                             dataclasses.asdict(dev.info))
         reg = ModelRegistry(store, tmp_path / "models", cfg.model, state)
-        return DeviceRunner(dev, cfg, store, state, reg), dev
+        return DeviceRunner(dev, cfg, store, state, reg, clock=clock or ManualClock()), dev
 
     yield make, store, state
     store.close()
@@ -158,13 +162,15 @@ def test_backoff_doubles_up_to_the_cap(env):
     make, _, state = env
     runner, dev = make(FakeDeviceConfig(fail_on_call=1))
     ds = state.devices[dev.info.uuid]
-    waits = []
+    waits = []  # (least, most) backoff: next_retry is set between the two clock reads
     for _ in range(6):
         ds.next_retry = 0
+        before = time.time()
         runner.run_round()
-        waits.append(ds.next_retry - time.time() if not ds.up else 0)
-    assert waits[1] == pytest.approx(10, abs=1) and waits[2] == pytest.approx(20, abs=1)
-    assert waits[3] == pytest.approx(40, abs=1)
+        after = time.time()
+        waits.append((ds.next_retry - after, ds.next_retry - before) if not ds.up else (0, 0))
+    for i, want in ((1, 10), (2, 20), (3, 40)):
+        assert waits[i][0] <= want <= waits[i][1], (i, waits[i])
 
 
 def test_one_hung_device_does_not_stop_another(env):
@@ -173,8 +179,10 @@ def test_one_hung_device_does_not_stop_another(env):
     good, gdev = make(index=1)
     t = threading.Thread(target=hung.run_round, daemon=True)
     t.start()
-    time.sleep(0.2)
-    assert state.devices[hdev.info.uuid].in_flight_since is not None
+    deadline = time.monotonic() + HANG_S  # until the hung probe is in flight, not 0.2 s
+    while state.devices[hdev.info.uuid].in_flight_since is None:
+        assert time.monotonic() < deadline, "the probe never started"
+        time.sleep(0.01)
     assert all(r.outcome == "ok" for r in good.run_round())
     hung.mark_hung(state.devices[hdev.info.uuid].in_flight_since)
     assert not state.devices[hdev.info.uuid].up
@@ -280,11 +288,14 @@ def test_a_cpu_trial_busy_longer_than_busy_max_wait_probes_anyway_a_gpu_never(en
     make, store, state = env
     base = _cfg()
     cfg = dataclasses.replace(base, schedule=dataclasses.replace(base.schedule,
-                                                                 busy_max_wait_s=0.2))
+                                                                 busy_max_wait_s=0.25))
     for index, backend, probes_anyway in ((0, "cpu", True), (1, "fake", False)):
-        runner, dev = make(FakeDeviceConfig(busy=True), cfg=cfg, index=index)
+        clock = ManualClock()
+        runner, dev = make(FakeDeviceConfig(busy=True), cfg=cfg, index=index, clock=clock)
         dev.info = dataclasses.replace(dev.info, backend=backend)
         assert runner.run_round() == [] and runner.busy_skips == 1
-        time.sleep(0.3)  # longer than busy_max_wait_s since the first skip
+        clock.advance(0.125)  # not yet busy_max_wait_s since the first skip
+        assert runner.run_round() == [] and runner.busy_skips == 2
+        clock.advance(0.125)  # now it is
         assert bool(runner.run_round()) is probes_anyway, backend
-        assert runner.busy_skips == (0 if probes_anyway else 2)
+        assert runner.busy_skips == (0 if probes_anyway else 3)

@@ -21,7 +21,16 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from conftest import FAST_FAKE, ROOT, LoggedProc, free_port, merge, wait_for, write_config
+from conftest import (
+    FAST_FAKE,
+    HANG_S,
+    ROOT,
+    LoggedProc,
+    free_port,
+    merge,
+    wait_for,
+    write_config,
+)
 
 PROM_DIR = ROOT / "deploy" / "prometheus"
 RULES = PROM_DIR / "gemmd.rules.yml"
@@ -286,7 +295,7 @@ def test_a_slowdown_inhibits_the_same_gpus_power_energy_and_sibling_alerts(tmp_p
             except (urllib.error.URLError, OSError):
                 return False
 
-        wait_for(ready, 30, "Alertmanager to be ready", am)
+        wait_for(ready, HANG_S, "Alertmanager to be ready", am)
 
         def alert(name: str, severity: str, gpu: str, **extra: str) -> dict:
             return {"labels": {"alertname": name, "severity": severity, "job": "gemmd",
@@ -312,9 +321,9 @@ def test_a_slowdown_inhibits_the_same_gpus_power_energy_and_sibling_alerts(tmp_p
             return {(a["labels"]["alertname"], a["labels"]["gpu"]): a["status"]["state"]
                     for a in got}
 
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while True:  # inhibition is computed as alerts arrive: allow it a moment
-            got = wait_for(states, 10, "the alerts in Alertmanager", am)
+            got = wait_for(states, HANG_S, "the alerts in Alertmanager", am)
             want = {("GemmdGpuSlowerThanPredicted", "1"): "active",
                     ("GemmdGpuEnergyAbovePredicted", "1"): "suppressed",
                     ("GemmdGpuPowerAbovePredicted", "1"): "suppressed",

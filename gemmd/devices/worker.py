@@ -153,13 +153,13 @@ class WorkerDevice(Device):
 
     def _receive(self, timeout: float, what: str,
                  cancel: threading.Event | None = None) -> Any:
-        deadline = time.monotonic() + timeout
+        deadline = self.clock() + timeout
         proc, conn = self._proc, self._conn  # close() may clear them from another thread
         while True:
             if cancel is not None and cancel.is_set():
                 self._kill()  # abandoning a probe mid-window: the child is stopped
                 raise ProbeCancelled(what)
-            left = deadline - time.monotonic()
+            left = deadline - self.clock()
             if left <= 0:
                 self._kill()
                 raise DeviceError(f"{self.label}: {what} did not return within {timeout:g} s; "
@@ -232,10 +232,10 @@ class WorkerDevice(Device):
         return self._call("run_observed", spec, iterations, cancel=cancel)
 
     def clock(self) -> float:
-        """The parent's monotonic clock (the real backends' clock too: it is system-wide).
-        Everything timed on the device's clock (the measurement protocol, run_observed)
-        runs in the child; asking the child would start a killed worker again, for
-        nothing."""
+        """The parent's monotonic clock (the real backends' clock too: it is system-wide),
+        on which a call's timeout is counted. Everything timed on the device's clock (the
+        measurement protocol, run_observed) runs in the child; asking the child would start
+        a killed worker again, for nothing."""
         return time.monotonic()
 
     def energy_j(self) -> float | None:
