@@ -726,16 +726,18 @@ def replay_drift(rounds: Sequence[tuple[str, list[dict[str, Any]]]], plan: Seque
                         "power": r["power_w"] if steps_ok else None,
                         "energy": r["energy_j"] if steps_ok else None}
             pred = first.setdefault(r["probe"], dict(measured))
+            context = {k: r.get(k) for k in CONTEXT_KEYS}
             raised += [f"{a.target}:{a.spec.name if a.spec else 'pooled'}"
                        for a in mon.observe(uuid, by_name[r["probe"]], measured, pred, {},
-                                            now=now, plan=plan)]
+                                            now=now, plan=plan, context=context)]
         drifting = sorted({f"{t}:{s.name}" for (u, s, t), tr in mon.tracks.items()
                            if tr.drifting})
         pooled = sorted(t for t, d in mon.devices.get(uuid, _NoDev).targets.items()
                         if d.drifting)
         out.append({"round": i, "phase": phase, "alarms_raised": " ".join(raised),
                     "device_drifting": mon.device_drifting(uuid),
-                    "pooled_drifting": " ".join(pooled), "probes_drifting": " ".join(drifting)})
+                    "pooled_drifting": " ".join(pooled), "probes_drifting": " ".join(drifting),
+                    "cause": "; ".join(f"{t}: {mon.cause(uuid, t)[1]}" for t in pooled)})
         now += interval_s
         if rebaseline_after is not None and phase == rebaseline_after and (
                 i + 1 == len(rounds) or rounds[i + 1][0] != phase):
@@ -746,6 +748,95 @@ def replay_drift(rounds: Sequence[tuple[str, list[dict[str, Any]]]], plan: Seque
                             f"{t}:{s.name}" for (u, s, t), tr in mon.tracks.items()
                             if tr.drifting))})
     return out
+
+
+CONTEXT_KEYS = ("sm_clock_hz", "mem_clock_hz", "temperature_c", "power_limit_w",
+                "clock_event_reasons")
+
+
+def replay_report(rounds: Sequence[tuple[str, list[dict[str, Any]]]], plan: Sequence[Any],
+                  uuid: str, levels: Sequence[str], interval_s: float
+                  ) -> tuple[list[dict[str, Any]], list[str], list[Figure]]:
+    """Replay (``replay_drift``, a rebaseline after the last level) and say what it
+    shows: (rows, markdown lines, figures)."""
+    from gemmd.config import Config
+
+    replay = replay_drift(rounds, plan, uuid, interval_s, rebaseline_after=levels[-1])
+    lines = ["Drift replayed (slowdown_drift.csv): the stock rounds (the first "
+             f"{Config().drift.baseline_probes} the baseline), then the lowered ones, "
+             f"{interval_s:.0f} s apart in simulated time, probes "
+             f"{', '.join(s.name for s in plan)}:", "",
+             *md_table(("round", "phase", "alarms raised", "device alarm", "pooled",
+                        "cause named", "probes drifting"),
+                       [(r["round"], r["phase"], r["alarms_raised"] or "-",
+                         "yes" if r["device_drifting"] else "no", r["pooled_drifting"] or "-",
+                         r.get("cause") or "-", r["probes_drifting"] or "-")
+                        for r in replay])]
+    figures = []
+    healthy = [r for r in replay if r["phase"] == "stock"]
+    false_alarms = sum(bool(r["alarms_raised"]) for r in healthy)
+    figures.append(Figure("false alarms over the stock rounds (after the baseline)",
+                          str(false_alarms), "0", false_alarms == 0))
+    slowed = [r for r in replay if r["phase"] == levels[0]]
+    hit = next((k for k, r in enumerate(slowed) if r["device_drifting"]), None)
+    figures.append(Figure(f"rounds until the device alarm at {levels[0]}",
+                          str(hit + 1) if hit is not None else f"none in {len(slowed)}",
+                          "<= 3", hit is not None and hit < 3))
+    if hit is not None:
+        figures.append(Figure("the cause the alarm names", slowed[hit].get("cause") or "-",
+                              "clocks down", "clock" in (slowed[hit].get("cause") or "")))
+    after = [r for r in replay if r["phase"].startswith("after `rebaseline`")]
+    if after:
+        figures.append(Figure("`rebaseline` clears the alarm (in-process "
+                              "DriftMonitor.rebaseline)",
+                              "yes" if not after[0]["device_drifting"] else "no", "yes",
+                              not after[0]["device_drifting"]))
+    return replay, lines, figures
+
+
+def replay_archive(archive: Path, probes: Sequence[str] = ()) -> int:
+    """``--replay ARCHIVE``: the slowdown of a past run (results.tar.gz) through today's
+    drift detector; ``probes`` limits the plan (e.g. today's default sentinels)."""
+    from gemmd.config import Config
+    from gemmd.probes import ProbeSpec
+
+    with tarfile.open(archive) as tar:
+        def rows_of(name: str) -> list[dict[str, Any]]:
+            m = next(m for m in tar.getmembers() if m.name.endswith("/" + name))
+            f = tar.extractfile(m)
+            assert f is not None
+            return [{k: _num(v) for k, v in r.items()}
+                    for r in csv.DictReader(io.StringIO(f.read().decode()))]
+        base, slow = rows_of("noise.csv"), rows_of("slowdown.csv")
+    names = list(dict.fromkeys(r["probe"] for r in base))
+    names = [n for n in names if not probes or n in probes]
+    first = {r["probe"]: r for r in base}
+    plan = [ProbeSpec(int(first[n]["m"]), int(first[n]["n"]), int(first[n]["k"]),
+                      first[n]["dtype"], first[n]["kernel"], int(first[n]["tile"]),
+                      first[n]["layout"]) for n in names]
+    rounds: list[tuple[str, list[dict[str, Any]]]] = []
+    for rows, key in ((base, "stock"), (slow, None)):
+        for rnd in dict.fromkeys(r["round"] for r in rows):
+            rr = [r for r in rows if r["round"] == rnd]
+            rounds.append((key or rr[0]["phase"], rr))
+    levels = [p for p in dict.fromkeys(ph for ph, _ in rounds) if p not in ("stock",
+                                                                             "restored")]
+    _, lines, figures = replay_report(rounds, plan, "GPU-replay", levels,
+                                      Config().schedule.probe_interval_s)
+    print(f"Replay of {archive} with today's drift defaults:\n")
+    print("\n".join(lines))
+    print()
+    print("\n".join(md_table(("figure", "value", "target", "met"),
+                              [(f.name, f.value, f.target, "-" if f.met is None else
+                                "yes" if f.met else "**NO**") for f in figures])))
+    return 0
+
+
+def _num(v: str) -> Any:
+    try:
+        return float(v) if v not in ("", "True", "False") else (v == "True" if v else None)
+    except ValueError:
+        return v
 
 
 class _NoDev:
@@ -836,9 +927,9 @@ def step_slowdown(ctx: Ctx) -> None:
     finally:
         restore_clocks()
     ctx.write_csv("slowdown.csv", rows)
-    first_slow = levels[-1][0]
-    replay = replay_drift(rounds, plan, dev.info.uuid, cfg.schedule.probe_interval_s,
-                          rebaseline_after=first_slow)
+    replay, replay_lines, replay_figures = replay_report(
+        rounds, plan, dev.info.uuid, [name for name, _, _ in levels],
+        cfg.schedule.probe_interval_s)
     ctx.write_csv("slowdown_drift.csv", replay)
     # Per level and probe: runtime against the stock median, and what NVML said.
     stock_med = {spec.name: float(np.median([r["runtime_s"] for r in base
@@ -861,29 +952,9 @@ def step_slowdown(ctx: Ctx) -> None:
            f"{SLOW_ROUNDS} rounds of the default plan (slowdown.csv):", "",
            *md_table(("level", "probe", "runtime / stock median", "SM MHz",
                       "clock event reasons"), table))
-    ctx.md("", "Drift replayed (slowdown_drift.csv): the stock rounds of step 4 (the first "
-           f"{Config().drift.baseline_probes} the baseline), then the lowered ones, "
-           f"{cfg.schedule.probe_interval_s:.0f} s apart in simulated time:", "",
-           *md_table(("round", "phase", "alarms raised", "device alarm", "pooled",
-                      "probes drifting"),
-                     [(r["round"], r["phase"], r["alarms_raised"] or "-",
-                       "yes" if r["device_drifting"] else "no", r["pooled_drifting"] or "-",
-                       r["probes_drifting"] or "-") for r in replay]))
-    healthy = [r for r in replay if r["phase"] == "stock"]
-    false_alarms = sum(bool(r["alarms_raised"]) for r in healthy)
-    ctx.figure("false alarms over the stock rounds (after the baseline)", str(false_alarms),
-               "0", false_alarms == 0)
-    first_level = levels[0][0]
-    slowed = [r for r in replay if r["phase"] == first_level]
-    hit = next((k + 1 for k, r in enumerate(slowed) if r["device_drifting"]), None)
-    ctx.figure(f"rounds until the device alarm at {first_level}",
-               str(hit) if hit else f"none in {len(slowed)}", "<= 3", hit is not None
-               and hit <= 3)
-    after = [r for r in replay if r["phase"].startswith("after `rebaseline`")]
-    if after:
-        ctx.figure("`rebaseline` clears the alarm (in-process DriftMonitor.rebaseline)",
-                   "yes" if not after[0]["device_drifting"] else "no", "yes",
-                   not after[0]["device_drifting"])
+    ctx.md("", *replay_lines)
+    for f in replay_figures:
+        ctx.figure(f.name, f.value, f.target, f.met, f.counted)
 
 
 # ------------------------------------------------------------------ 7. launch vs GPU
@@ -1417,7 +1488,12 @@ def _atomic(path: Path, data: bytes) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("outdir", type=Path)
+    ap.add_argument("outdir", type=Path, nargs="?")
+    ap.add_argument("--replay", type=Path, metavar="ARCHIVE",
+                    help="no GPU: replay the slowdown of a past run's results.tar.gz through "
+                         "today's drift detector and print what it shows")
+    ap.add_argument("--probes", default="", metavar="NAME,...",
+                    help="with --replay: only these probes (e.g. today's default sentinels)")
     ap.add_argument("--backend", choices=("nvidia", "fake"), default="nvidia")
     ap.add_argument("--quick", action="store_true", help="shorter steps (a smoke test)")
     ap.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
@@ -1426,6 +1502,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", metavar="N,N,...", default="",
                     help="run only these steps (numbers; e.g. a re-measurement)")
     args = ap.parse_args(argv)
+    if args.replay is not None:
+        if not args.replay.is_file():
+            ap.error(f"--replay {args.replay}: no such file")
+        return replay_archive(args.replay, [p for p in args.probes.split(",") if p])
+    if args.outdir is None:
+        ap.error("OUTDIR is required (unless --replay)")
     if not (math.isfinite(args.deadline) and args.deadline >= 10):
         ap.error(f"--deadline {args.deadline}: must be at least 10 seconds")
     try:

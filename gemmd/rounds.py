@@ -21,7 +21,7 @@ import numpy as np
 
 from gemmd.config import Config
 from gemmd.devices.base import BusyLimits, Device
-from gemmd.drift import Alarm, Transition, measured_of, predicted_of
+from gemmd.drift import Alarm, Transition, measured_of, predicted_of, stand_in
 from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
 from gemmd.model import Prediction
@@ -321,10 +321,11 @@ class DeviceRunner:
         context = f"SM clock {ghz}, temperature {temp}, clock events {events}"
         if alarm.spec is None:
             logger.warning(
-                "%s: %s drifting on its %d probes pooled: measured/normal %.3f (z %.1f, "
-                "CUSUM %.1f over threshold %.1f); probes in their own alarm: %s; %s",
-                self.label, target, tr.members, tr.ratio or float("nan"), tr.last_z or 0.0,
-                tr.cusum, tr.h or 0.0, ", ".join(in_alarm) or "none", context)
+                "%s: %s drifting (%s): measured/normal %.3f over its %d probes pooled (z %.1f, "
+                "CUSUM %.1f over threshold %.1f); probes in their own alarm: %s; cause: %s; %s",
+                self.label, target, tr.reason or "?", tr.ratio or float("nan"), tr.members,
+                tr.last_z or 0.0, tr.cusum, tr.h or 0.0, ", ".join(in_alarm) or "none",
+                tr.cause_text or tr.cause or "?", context)
             return
         meas, pred = measured_of(m)[target], predicted_of(p)[target]
         ratio = meas / pred if meas and pred else float("nan")
@@ -352,10 +353,15 @@ class DeviceRunner:
                 if not _energy_trusted(m, info.backend):
                     measured["power"] = measured["energy"] = None
                 # The plan tells the monitor when the round is complete: the device's
-                # pooled statistic is judged then, not a round later.
-                raised = drift.observe(info.uuid, spec, measured, predicted_of(pred),
+                # pooled statistic is judged then, not a round later. Targets the model
+                # does not predict yet (power and energy before the first fit) are compared
+                # with a stand-in: drift arms after its baseline rounds, model or not. The
+                # context names an alarm's cause.
+                raised = drift.observe(info.uuid, spec, measured,
+                                       stand_in(predicted_of(pred), info.power_limit_w),
                                        pred.sigma, model_version=version,
-                                       gpu_model=info.name, plan=self.plan)
+                                       gpu_model=info.name, plan=self.plan,
+                                       context=m.context.get("after"))
             transitions = drift.drain()
             flagged = drift.device_drifting(info.uuid)
             found = [(a, copy.copy(drift.tracks.get((info.uuid, a.spec, a.target))

@@ -90,6 +90,7 @@ class State:
         self.probes: dict[tuple[str, ProbeSpec], ProbeState] = {}
         self.model = ModelState()
         self.store_errors_total = 0
+        self.clock_jumps_total = 0  # wall-clock jumps the daemon saw (gemmd.clockwatch)
         self.drift: DriftMonitor = drift or DriftMonitor()
         self.probe_interval_s: float | None = None
 

@@ -79,3 +79,15 @@ def test_a_folder_holding_other_files_is_refused(tmp_path):
     p = _accept(tmp_path)
     assert p.returncode == 2 and "holds other files (old.csv)" in p.stderr
     assert sorted(f.name for f in tmp_path.iterdir()) == ["old.csv"]
+
+
+def test_a_past_gpu_runs_slowdown_replays_through_todays_detector():
+    """The H200's real clock cap (bench/results/2026-11-26-h200), offline."""
+    archive = ROOT / "bench/results/2026-11-26-h200/results.tar.gz"
+    p = subprocess.run([sys.executable, "bench/gpu_accept.py", "--replay", str(archive)],
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "| 20 | clocks -5% (1875 MHz) |" in p.stdout
+    assert "false alarms over the stock rounds (after the baseline) | 0 | 0 | yes" in p.stdout
+    assert "`rebaseline` clears the alarm" in p.stdout

@@ -299,3 +299,59 @@ def test_a_cpu_trial_busy_longer_than_busy_max_wait_probes_anyway_a_gpu_never(en
         clock.advance(0.125)  # now it is
         assert bool(runner.run_round()) is probes_anyway, backend
         assert runner.busy_skips == (0 if probes_anyway else 3)
+
+
+def test_drift_arms_on_every_target_before_any_model_and_says_so(env):
+    """Before the first fit the roofline predicts runtime only, and power and energy were
+    not watched until a model existed (about 30 minutes on a 1-GPU host, issue 23). The
+    rounds compare them with a stand-in (the power limit): every target arms after its
+    baseline rounds, and gemmd_device_drift_armed says when."""
+    from gemmd.exporter import assemble
+
+    make, store, state = env
+    base = _cfg()
+    # Windows that span two steps of the energy counter: power and energy are trusted.
+    cfg = dataclasses.replace(base, probes=dataclasses.replace(
+        base.probes, measure=dataclasses.replace(base.probes.measure, window_s=0.3)))
+    runner, dev = make(cfg=cfg)
+    lab = {"gpu": "0", "uuid": dev.info.uuid, "gpu_model": dev.info.name}
+    runner.run_round()
+    reg = assemble(state, process=False)
+    assert reg.get_sample_value("gemmd_device_drift_armed", {**lab, "target": "power"}) == 0
+    for _ in range(state.drift.p.baseline_probes):
+        runner.run_round()
+    assert runner.registry.current.kind == "roofline"
+    targets = state.drift.devices[dev.info.uuid].targets
+    assert all(targets[t].armed() for t in ("runtime", "power", "energy"))
+    reg = assemble(state, process=False)
+    for t in ("runtime", "power", "energy"):
+        assert reg.get_sample_value("gemmd_device_drift_armed", {**lab, "target": t}) == 1
+    # Each result's context went with it (what names an alarm's cause).
+    ctx = state.drift.devices[dev.info.uuid].contexts
+    assert len(ctx) == len(runner.plan) and all(c["normal"] for c in ctx.values())
+
+
+def test_a_slowed_device_alarms_with_its_cause_in_the_log_and_the_metrics(env, caplog):
+    from gemmd.devices.fake import Scenario
+    from gemmd.exporter import assemble
+
+    make, store, state = env
+    runner, dev = make()
+    for _ in range(30):
+        runner.run_round()
+    dev.scenario = Scenario("thermal", 1.06)
+    for _ in range(6):
+        runner.run_round()
+        if state.drift.target_drifting(dev.info.uuid, "runtime"):
+            break
+    ds = state.drift.devices[dev.info.uuid].targets["runtime"]
+    assert ds.drifting and ds.cause == "clocks_thermal"
+    assert "cause: SM clocks" in caplog.text and "hw_thermal_slowdown" in caplog.text
+    reg = assemble(state, process=False)
+    lab = {"gpu": "0", "uuid": dev.info.uuid, "gpu_model": dev.info.name,
+           "target": "runtime", "reason": ds.reason, "cause": "clocks_thermal",
+           "description": "SM clocks down: thermal slowdown"}
+    assert reg.get_sample_value("gemmd_device_drift_cause", lab) == 1
+    (event,) = [e for e in store.events(kinds=("alarm",)) if e["probe"] is None
+                and e["target"] == "runtime"]
+    assert event["detail"]["cause"] == "clocks_thermal"

@@ -3,6 +3,10 @@
 Runtime follows a roofline with tile/wave quantization and lognormal noise; power follows
 utilization between idle and the power limit; the energy counter is monotonic and, like
 NVML's, only moves in 100 ms steps. Time is simulated (no sleeping) unless ``realtime``.
+
+Faults: ``FakeDeviceConfig.slowdown_factor`` (thermal throttling), or a ``Scenario`` set on
+the device, each with the context a real GPU reports with it (clocks, clock-event reasons,
+power limit, temperature), so that drift's alarms can name their cause.
 """
 
 from __future__ import annotations
@@ -58,6 +62,45 @@ MODELS = {
 
 # Fraction of fp32 peak reached by the paper's naive tiled kernel, by tile edge (shape of
 # GPPerf's finding: tiny tiles are launch/latency bound, 16-32 are best).
+@dataclass(frozen=True)
+class Scenario:
+    """A fault from ``after_s`` on (on the device's clock), with its context:
+
+    - thermal: clocks down by ``factor`` (runtime x factor), hw_thermal_slowdown, 12 C
+      hotter, less power;
+    - power_cap: the power limit lowered to ``factor`` x the model's; probes that drew
+      more slow down until they fit (clocks down, sw_power_cap);
+    - clock_cap: SM clocks locked ``factor`` lower, no clock-event reason (as
+      ``nvidia-smi -lgc`` did on the H200);
+    - less_work: runtime x ``factor`` at the same clocks, reasons, power limit and
+      temperature (the case no counter explains);
+    - power: power x ``factor`` at the same runtime and clocks (up to the limit).
+    """
+
+    kind: str
+    factor: float = 1.05
+    after_s: float = 0.0
+
+    KINDS = ("thermal", "power_cap", "clock_cap", "less_work", "power")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"unknown fake scenario {self.kind!r} (one of {self.KINDS})")
+
+
+@dataclass(frozen=True)
+class _Effect:
+    """What a fault does to one probe: runtime and power factors, SM clock factor, the
+    power limit, clock-event reasons, extra temperature."""
+
+    time: float = 1.0
+    power: float = 1.0
+    clock: float = 1.0
+    limit: float | None = None
+    reasons: tuple[str, ...] = ()
+    hotter: float = 0.0
+
+
 _TILED_EFF = {1: 0.004, 2: 0.012, 4: 0.04, 8: 0.09, 16: 0.15, 32: 0.14}
 _LAYOUT_FACTOR = {"nn": 1.0, "nt": 1.01, "tn": 1.02, "tt": 1.04}
 _LAUNCH_S = 4e-6
@@ -115,12 +158,41 @@ class FakeDevice(Device):
         self._faulted = False
         self._closed = threading.Event()
         self._util = 0.0
+        self.scenario: Scenario | None = None  # a fault with its context (tests, benches)
+        self._effect = _Effect()  # the fault's effect on the last probe run
 
     # -- faults and state -------------------------------------------------------
     def _slowdown(self) -> float:
         # On the device's own clock, so simulated time counts too.
         active = self.clock() - self._start >= self.cfg.slowdown_after_s
         return self.cfg.slowdown_factor if active else 1.0
+
+    def _fault(self, util: float, spec: ProbeSpec) -> _Effect:
+        """What the configured slowdown or the scenario does to ``spec`` now."""
+        slow = self._slowdown()
+        sc = self.scenario
+        if sc is None or self.clock() - self._start < sc.after_s:
+            if slow > 1.0:
+                return _Effect(slow, 1 / slow**0.5, 1 / slow, None, ("hw_thermal_slowdown",),
+                               12.0)
+            return _Effect()
+        m = self.model
+        if sc.kind == "thermal":
+            return _Effect(sc.factor, 1 / sc.factor**0.5, 1 / sc.factor, None,
+                           ("hw_thermal_slowdown",), 12.0)
+        if sc.kind == "clock_cap":
+            return _Effect(sc.factor, 1 / sc.factor**0.5, 1 / sc.factor)
+        if sc.kind == "less_work":
+            return _Effect(sc.factor)
+        if sc.kind == "power":
+            return _Effect(power=sc.factor)
+        # power_cap: power scales with about the cube of the clock (voltage follows it).
+        limit = sc.factor * m.tdp_w
+        dyn = self._power_for(util, 1.0, spec, noise=False) - m.idle_w
+        if dyn + m.idle_w <= limit:
+            return _Effect(limit=limit)
+        s = (dyn / max(limit - m.idle_w, 1.0)) ** (1 / 3)
+        return _Effect(s, (limit / (dyn + m.idle_w)), 1 / s, limit, ("sw_power_cap",))
 
     def clock(self) -> float:
         return time.monotonic() + self._sim_offset
@@ -183,13 +255,15 @@ class FakeDevice(Device):
             self._closed.wait()  # a real hang ignores cancellation; only close() ends it
             raise DeviceError(f"fake GPU {self.info.index}: hung probe abandoned")
         base, util = simulated_runtime(self.model, spec)
-        slow = self._slowdown()
+        fx = self._fault(util, spec)
+        self._effect = fx
         run_factor = float(np.exp(self._rng.normal(0.0, self._jitter))) if self._jitter else 1.0
-        times = base * self._offset * slow * run_factor * np.exp(
+        times = base * self._offset * fx.time * run_factor * np.exp(
             self._rng.normal(0.0, self._noise, size=iterations))
         total = float(times.sum())
         self._util = util
-        power = self._power_for(util, slow, spec)
+        power = min(self._power_for(util, 1.0, spec) * fx.power,
+                    fx.limit or self.model.tdp_w)
         with self._lock:
             self._advance(total, power)
         return times.tolist()
@@ -209,14 +283,16 @@ class FakeDevice(Device):
                 j += 1
         return Run(times, start, end, e0, e1, steps)
 
-    def _power_for(self, util: float, slow: float, spec: ProbeSpec) -> float:
+    def _power_for(self, util: float, slow: float, spec: ProbeSpec, noise: bool = True
+                   ) -> float:
         m = self.model
         dyn = (m.tdp_w - m.idle_w) * (0.25 + 0.75 * util)
         if spec.dtype in ("fp16", "bf16", "fp8"):
             dyn *= 0.92  # narrower datapaths toggle fewer bits per FLOP
         # A throttled card (slow > 1) runs at lower clocks and draws somewhat less.
         p = m.idle_w + dyn / slow**0.5
-        p *= float(np.exp(self._rng.normal(0.0, self._noise / 2)))
+        if noise:
+            p *= float(np.exp(self._rng.normal(0.0, self._noise / 2)))
         return min(p, m.tdp_w)
 
     def energy_j(self) -> float | None:
@@ -240,14 +316,13 @@ class FakeDevice(Device):
         return self._power
 
     def context(self) -> dict[str, Any]:
-        slow = self._slowdown()
-        throttled = slow > 1.0
+        fx = self._effect  # as the last probe ran
         return {
-            "sm_clock_hz": self.model.sm_clock_hz / slow,
+            "sm_clock_hz": self.model.sm_clock_hz * fx.clock,
             "mem_clock_hz": self.model.mem_clock_hz,
-            "temperature_c": 35.0 + 45.0 * self._util + (12.0 if throttled else 0.0),
-            "power_limit_w": self.model.tdp_w,
-            "clock_event_reasons": ["hw_thermal_slowdown"] if throttled else [],
+            "temperature_c": 35.0 + 45.0 * self._util + fx.hotter,
+            "power_limit_w": fx.limit or self.model.tdp_w,
+            "clock_event_reasons": list(fx.reasons),
             "pstate": 0,
             "other_processes": 1 if self.cfg.busy else 0,
         }
