@@ -1,8 +1,12 @@
-"""Fault campaign against the real `gemmd` commands (issue 12): hostile imports, SIGKILLs
-of a probing daemon, and damaged or full stores, counted.
+"""Fault campaign against the real `gemmd` commands (issues 12, 24): hostile imports,
+SIGKILLs of a probing daemon, damaged or full stores, numbers in imported files checked in
+the store, a second daemon, a database deleted or replaced under a running daemon, and
+jumps of the wall clock, counted.
 
     .venv/bin/python bench/fuzz_faults.py [--imports 400] [--kills 50] [--store-reps 5]
-                                          [--only import,kill,store] [--seed 0] [--save DIR]
+                                          [--values 60] [--peer-reps 2]
+                                          [--only import,kill,store,values,peers]
+                                          [--seed 0] [--save DIR]
 
 - **import**: N generated CSV files (mutated copies of every supported format's real rows,
   from ../shared/data when present; garbage bytes, encodings, broken quoting, hostile
@@ -21,6 +25,19 @@ of a probing daemon, and damaged or full stores, counted.
   where mounting is not allowed) while the daemon runs and at start. Each through `gemmd
   run` and `gemmd status`: a one-line error (exit 1) or a logged warning (the daemon runs),
   never a traceback or a hang, and no silent loss (rows missing without a word).
+- **values** (issue 24): the same runtime written in forms a reader may take for another
+  number (a decimal comma, '_' and ',' separators, other scripts' digits, 1e300, hex,
+  a Unicode minus, a unit glued on) and headers with two columns for one quantity. The
+  store is read back: a file that imports must have stored exactly what it says; a form
+  gemmd cannot read for sure must be refused with one line and no row.
+- **peers** (issue 24): a second `gemmd run` on the state directory of a running one
+  (must exit 1 naming the first's pid, the first unharmed); `rm gemmd.db*` under a running
+  daemon (the rows must be in gemmd.db after it stops, and the log must say so); gemmd.db
+  replaced by another file (one error line); wall-clock jumps of -1 day, +100 days, -2 h
+  and +30 min under libfaketime with the monotonic clock untouched (where installed:
+  `apt-get install faketime`): the probe rounds must go on, the jump be logged once and
+  counted in gemmd_clock_jumps_total, and retention (90 days, a refit every 10 s) must
+  delete nothing.
 
 Figures, not assertions: exit status 1 if any case failed. --save DIR keeps failing cases.
 """
@@ -858,12 +875,283 @@ def disk_full(work: Path, r: random.Random, timeout: float, rep: int) -> list[Ca
 # ------------------------------------------------------------------ report
 
 
+# ------------------------------------------------------- values (issue 24)
+
+# (cell, the value it means in ms or None: must be refused), for the 0.012 ms of row 1.
+VALUE_FORMS = [
+    ("0.012", 0.012), ("+0.012", 0.012), (".012", 0.012), ("1.2e-2", 0.012),
+    ("1.2E-2", 0.012), ("0.0120", 0.012), ("12e-3", 0.012), (" 0.012 ", 0.012),
+    ('"0,012"', None), ("0_012", None), ("\uff10.\uff10\uff11\uff12", None),
+    ("\u0660.\u0660\u0661\u0662", None), ('"0,012,0"', None), ("1.2e300", None),
+    ("1e9999", None), ("inf", None), ("0x1p-7", None), ("1.2.3", None), ("\u22120.012", None),
+    ("0.012ms", None), ("1.2e+3600", None), ("12_000e-6", None)]
+# Headers with two columns for one quantity: (header, runtime ms of row 1 or None).
+HEADER_FORMS = [("time_ms,time_s", None), ("runtime_ms,latency_us", None),
+                ("mean_time_ms,avg_time_us", None), ("median_time_ms,mean_time_us", 0.012),
+                ("runtime_ms,runtime_ms", None)]
+
+
+@dataclass
+class ValueStats:
+    cases: int = 0
+    clean: int = 0
+    wrong_value: int = 0  # imported, but a stored number differs from the file's
+    accepted_bad: int = 0  # a form that must be refused was imported
+    refused_good: int = 0
+    messy: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+def _stored_runtime(db: Path, source: str) -> list[float]:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        return [r[0] for r in con.execute(
+            "SELECT runtime_s FROM probes WHERE source = ? ORDER BY id", (source,))]
+    finally:
+        con.close()
+
+
+def values_campaign(n: int, r: random.Random, work: Path, timeout: float) -> ValueStats:
+    """Numbers in imported files, checked in the store: a file that imports must store
+    exactly what it says; a number gemmd cannot read for sure must be refused."""
+    st = ValueStats()
+    state = work / "values"
+    state.mkdir(exist_ok=True)
+    lines = GENERIC.splitlines()
+    expected = [float(ln.split(",")[6]) * 1e-3 for ln in lines[1:]]
+    cases = [("cell", f, v) for f, v in VALUE_FORMS] + [("header", h, v)
+                                                         for h, v in HEADER_FORMS]
+    cases = [c for c in cases for _ in (0, 1)]  # each with and without power and energy
+    cases += [r.choice(cases) for _ in range(max(0, n - len(cases)))]
+    for i, (what, form, value) in enumerate(cases):
+        st.cases += 1
+        rows = [ln.split(",") for ln in lines]
+        if what == "cell":
+            rows[1][6] = form
+            head = ",".join(rows[0])
+        else:
+            heads = form.split(",")
+            head = ",".join(rows[0][:6] + heads + rows[0][7:])
+            for row in rows[1:]:  # the second column: the first's value in its unit
+                f = {"s": 1e-3, "us": 1e3, "ms": 1.0}[heads[1].rsplit("_", 1)[1]]
+                row[6:7] = [row[6], f"{float(row[6]) * f:.9g}"]
+        text = head + "\n" + "\n".join(",".join(x) for x in rows[1:]) + "\n"
+        if i % 2:  # without power and energy: no consistency check to catch a wrong time
+            text = "\n".join(",".join(ln.split(",")[:-2]) for ln in text.splitlines()) + "\n"
+        f_csv = work / f"value-{i}.csv"
+        f_csv.write_text(text, encoding="utf-8")
+        name = f"v{i}"
+        res = gemmd("import", "--state-dir", str(state), "--format", "csv", "--name", name,
+                    str(f_csv), timeout=timeout)
+        f_csv.unlink()
+        if res.traceback or res.hung or res.rc not in (0, 1, 2):
+            st.messy += 1
+            st.failures.append(f"{form!r}: rc {res.rc} {res.err[-200:]!r}")
+            continue
+        stored = _stored_runtime(state / "gemmd.db", name) if res.rc == 0 else []
+        if value is None:
+            if res.rc == 0:
+                st.accepted_bad += 1
+                st.failures.append(f"{what} {form!r} imported: stored {stored[:1]}")
+            elif len(res.error_lines) != 1 or stored:
+                st.messy += 1
+                st.failures.append(f"{form!r}: {res.err[-200:]!r}")
+            else:
+                st.clean += 1
+            continue
+        if res.rc != 0:
+            st.refused_good += 1
+            st.failures.append(f"{what} {form!r} refused: {res.err.strip()[-200:]}")
+            continue
+        want = [value * 1e-3] + expected[1:]
+        if len(stored) != len(want) or any(abs(a - b) > 1e-9 * b for a, b in
+                                           zip(stored, want)):
+            st.wrong_value += 1
+            st.failures.append(f"{what} {form!r}: stored {stored[:2]}, the file says "
+                               f"{want[:2]}")
+        else:
+            st.clean += 1
+    return st
+
+
+# ---------------------------------------- peers: a second daemon, the file, the clock
+
+FAKETIME = next((p for p in ("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+                             "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+                             "/usr/lib/faketime/libfaketime.so.1") if Path(p).exists()), None)
+
+
+class Daemon:
+    """`gemmd run` in the background, its log in a file."""
+
+    def __init__(self, conf: Path, port: int, log: Path, env: dict[str, str] | None = None):
+        self.port, self.log = port, log
+        with log.open("wb") as f:
+            self.proc = subprocess.Popen([*GEMMD, "run", "--config", str(conf)], stdout=f,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(env or {})},
+                                         start_new_session=True)
+
+    def wait_serving(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.proc.poll() is None:
+            if get(self.port, "/metrics", 1.0) is not None:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def metric(self, name: str) -> float:
+        body = get(self.port, "/metrics", 5.0)
+        return metric(body, name) if body else float("nan")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, timeout: float) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            return None
+
+
+def _wait(pred: Any, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def peers_campaign(reps: int, work: Path, timeout: float) -> list[Case]:
+    out: list[Case] = []
+    for rep in range(reps):
+        base = work / f"peers-{rep}"
+        base.mkdir()
+        out += _second_daemon(base, timeout)
+        out += _file_gone(base, timeout, replace=False)
+        out += _file_gone(base, timeout, replace=True)
+        if FAKETIME:
+            for jump in ("-1d", "+100d", "-2h", "+30m"):
+                out += _clock(base, timeout, jump)
+    return out
+
+
+def _second_daemon(base: Path, timeout: float) -> list[Case]:
+    state = base / "second"
+    port, port2 = free_port(), free_port()
+    a = Daemon(daemon_config(base / "a.json", state, port, gpus=1), port, base / "a.log")
+    try:
+        if not a.wait_serving(timeout):
+            return [Case("second daemon", "run", "messy", f"A did not start: {a.text()[-300:]}")]
+        n0 = db_rows(state / "gemmd.db")[0]
+        res = gemmd("run", "--config", str(daemon_config(base / "b.json", state, port2, gpus=1)),
+                    timeout=timeout)
+        served = get(port, "/-/healthy") is not None
+        if res.hung:
+            return [Case("second daemon", "run", "hang", "B never exited")]
+        line = " ".join(res.error_lines)
+        ok = res.rc == 1 and len(res.error_lines) == 1 and \
+            f"in use by another gemmd (pid {a.proc.pid} " in line and served
+        return [Case("second daemon", "run", "error" if ok else "messy",
+                     f"{line[:160]} (A still serving: {served}; A's rows {n0} -> "
+                     f"{db_rows(state / 'gemmd.db')[0]})")]
+    finally:
+        a.stop(timeout)
+
+
+def _file_gone(base: Path, timeout: float, replace: bool) -> list[Case]:
+    fault = "gemmd.db replaced while running" if replace else "gemmd.db* deleted while running"
+    state = base / ("replaced" if replace else "deleted")
+    port = free_port()
+    d = Daemon(daemon_config(base / f"{state.name}.json", state, port, gpus=1), port,
+               base / f"{state.name}.log")
+    try:
+        db = state / "gemmd.db"
+        if not d.wait_serving(timeout) or not _wait(lambda: db_rows(db)[0] >= 3, timeout):
+            return [Case(fault, "run", "messy", f"no rows: {d.text()[-300:]}")]
+        n0 = db_rows(db)[0]
+        if replace:
+            other = state / "other.db"
+            con = sqlite3.connect(other)
+            con.execute("CREATE TABLE x (y)")
+            con.close()
+            os.replace(other, db)
+        else:
+            for p in state.glob("gemmd.db*"):
+                p.unlink()
+        time.sleep(12)  # the watchdog looks every 5 s
+    finally:
+        rc = d.stop(timeout)
+    text = d.text()
+    if rc is None or "Traceback" in text:
+        return [Case(fault, "run", "hang" if rc is None else "traceback", text[-300:])]
+    if replace:
+        n = text.count("was replaced by another file")
+        return [Case(fault, "run", "warning" if n == 1 else "silent loss" if n == 0 else "messy",
+                     f"logged {n} time(s)")]
+    n1 = db_rows(db)[0] if db.exists() else 0
+    said = "was deleted while gemmd runs: written back" in text
+    outcome = "warning" if said and n1 >= n0 else "silent loss"
+    return [Case(fault, "run", outcome, f"{n0} rows before, {n1} in gemmd.db after stop; "
+                 f"{'logged' if said else 'NOT logged'}")]
+
+
+def _clock(base: Path, timeout: float, jump: str) -> list[Case]:
+    """A wall-clock jump under libfaketime (the monotonic clock untouched): the probe
+    rounds go on, the log says so once, gemmd_clock_jumps_total counts it, and retention
+    (refits every 10 s, retention 90 days) deletes nothing."""
+    fault = f"wall clock {jump}"
+    state = base / f"clock{jump}"
+    port = free_port()
+    conf = base / f"clock{jump}.json"
+    daemon_config(conf, state, port, gpus=1)
+    cfg = json.loads(conf.read_text())
+    cfg["schedule"]["refit_interval_s"] = 10
+    cfg["store"] = {"retention_days": 90}
+    conf.write_text(json.dumps(cfg))
+    stamp = base / f"faketime{jump}"
+    stamp.write_text("+0\n")
+    d = Daemon(conf, port, base / f"clock{jump}.log",
+               env={"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(stamp),
+                    "FAKETIME_NO_CACHE": "1", "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+                    "FAKETIME_DONT_RESET": "1",
+                    # file times untouched: faked ones made Python recompile every module
+                    # it imported after the jump (scikit-learn at the first refit: 20 s)
+                    "NO_FAKE_STAT": "1"})
+    try:
+        if not d.wait_serving(timeout) or not _wait(
+                lambda: d.metric("gemmd_device_rounds_total") >= 3, timeout):
+            return [Case(fault, "run", "messy", f"no rounds: {d.text()[-300:]}")]
+        n0 = db_rows(state / "gemmd.db")[0]
+        r0 = d.metric("gemmd_device_rounds_total")
+        stamp.write_text(jump + "\n")
+        time.sleep(15)  # 1 s rounds; the daemon looks every 5 s; a refit every 10 s
+        rounds = d.metric("gemmd_device_rounds_total") - r0
+        jumps = d.metric("gemmd_clock_jumps_total")
+        n1 = db_rows(state / "gemmd.db")[0]
+    finally:
+        rc = d.stop(timeout)
+    text = d.text()
+    said = text.count("wall clock jumped")
+    ok = rounds >= 5 and jumps == 1 and said == 1 and n1 >= n0 and rc is not None
+    return [Case(fault, "run", "warning" if ok else "silent loss" if n1 < n0 else "messy",
+                 f"{rounds:.0f} rounds in the 15 s after; gemmd_clock_jumps_total {jumps:g}; "
+                 f"logged {said}x; rows {n0} -> {n1}")]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--imports", type=int, default=400)
     ap.add_argument("--kills", type=int, default=50)
     ap.add_argument("--store-reps", type=int, default=5)
-    ap.add_argument("--only", default="import,kill,store")
+    ap.add_argument("--values", type=int, default=80)
+    ap.add_argument("--peer-reps", type=int, default=2)
+    ap.add_argument("--only", default="import,kill,store,values,peers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--save", type=Path, help="keep failing cases here")
@@ -933,6 +1221,36 @@ def main() -> int:
                   f"{cnt['warning']} | {cnt['ran']} | {cnt['traceback']} | {cnt['hang']} | "
                   f"{cnt['messy']} | {cnt['silent loss']} | "
                   f"{example[(fault, cmd)].replace('|', '/')[:160]} |")
+        print(f"\n{time.monotonic() - t0:.0f} s.")
+    if "values" in only:
+        t0 = time.monotonic()
+        vs = values_campaign(args.values, r, work, args.timeout)
+        print("| values: cases | clean | wrong value stored | must-refuse imported | "
+              "valid refused | messy |\n|---|---|---|---|---|---|")
+        print(f"| {vs.cases} | {vs.clean} | {vs.wrong_value} | {vs.accepted_bad} | "
+              f"{vs.refused_good} | {vs.messy} |")
+        print(f"\n{time.monotonic() - t0:.0f} s.")
+        for f in vs.failures[:30]:
+            print("FAIL", f)
+        failed |= bool(vs.failures)
+        print()
+    if "peers" in only:
+        t0 = time.monotonic()
+        pc = peers_campaign(args.peer_reps, work, args.timeout)
+        print("| peer or clock fault | runs | clean (refused or warned) | silent loss | hang | "
+              "messy | what happened |\n|---|---|---|---|---|---|---|")
+        groups: dict[str, list[Case]] = {}
+        for c in pc:
+            groups.setdefault(c.fault, []).append(c)
+        for fault, cs in groups.items():
+            cnt = collections.Counter(c.outcome for c in cs)
+            bad = [c for c in cs if c.outcome not in ("error", "warning")]
+            print(f"| {fault} | {len(cs)} | {cnt['error'] + cnt['warning']} | "
+                  f"{cnt['silent loss']} | {cnt['hang']} | {cnt['messy'] + cnt['traceback']} | "
+                  f"{(bad or cs)[0].detail.replace('|', '/')[:160]} |")
+            failed |= bool(bad)
+        if not FAKETIME:
+            print("\n(no libfaketime: clock jumps not run; apt-get install faketime)")
         print(f"\n{time.monotonic() - t0:.0f} s.")
     print(f"\ntotal {time.monotonic() - t_all:.0f} s; {'FAILURES' if failed else 'clean'}")
     return 1 if failed else 0

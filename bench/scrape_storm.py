@@ -11,7 +11,9 @@ the model is fitted. Then, everything on 127.0.0.1, it measures a normal scrape 
    back to back, uncompressed with ``--storm-plain``; the normal scrapes run until the storm
    ends;
 3. with ``--slow`` idle clients: connected, sending nothing, held open while
-   ``--scrapes`` normal scrapes run.
+   ``--scrapes`` normal scrapes run, then ``--bursts`` times ``--burst`` scrapes sent at
+   once (every request written before any answer is read: Prometheus HA pairs and
+   dashboards scraping together; issue 24 found 32-39 of 100 answered, the rest 503).
 
 It prints p50/p99/max of the normal scrapes and how many failed (an error or a status
 other than 200), what the storm clients got (200, 503, errors) and their throughput, how
@@ -26,6 +28,7 @@ end. The exit status is non-zero only if the daemon does not start.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import http.client
 import multiprocessing
@@ -148,6 +151,10 @@ def slow_clients(port: int, a: argparse.Namespace) -> dict:
             ms, ok = timed_scrape(port)
             lat.append(ms)
             failed += not ok
+        burst: collections.Counter = collections.Counter()
+        for _ in range(a.bursts):
+            for k, v in parallel_burst(port, a.burst).items():
+                burst[k] += v
         closed = 0
         for s in socks:  # which idle sockets has the server closed (EOF or reset)?
             s.setblocking(False)
@@ -158,10 +165,39 @@ def slow_clients(port: int, a: argparse.Namespace) -> dict:
             except OSError:
                 closed += 1
         return {"lat": lat, "failed": failed, "held": len(socks), "refused": refused,
-                "closed": closed}
+                "closed": closed, "burst": burst}
     finally:
         for s in socks:
             s.close()
+
+
+def parallel_burst(port: int, n: int, timeout: float = 30.0) -> collections.Counter:
+    """``n`` scrapes at once: every request sent, then every answer read. {status: n}."""
+    socks, got = [], collections.Counter()
+    try:
+        for _ in range(n):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=timeout))
+            except OSError as e:
+                got[type(e).__name__] += 1
+        for s in socks:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n"
+                      b"Accept: " + base.PROM_ACCEPT.encode() + b"\r\n\r\n")
+        for s in socks:
+            data = b""
+            try:
+                while chunk := s.recv(1 << 16):
+                    data += chunk
+                    if len(data) > 64:
+                        break
+                got[data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ")
+                    else "no answer"] += 1
+            except OSError as e:
+                got[type(e).__name__] += 1
+    finally:
+        for s in socks:
+            s.close()
+    return got
 
 
 def main() -> int:
@@ -174,12 +210,15 @@ def main() -> int:
     ap.add_argument("--storm-plain", action="store_true",
                     help="storm with uncompressed scrapes (4 MB each for 8 GPUs)")
     ap.add_argument("--slow", type=int, default=300, help="idle clients in phase 3")
+    ap.add_argument("--burst", type=int, default=100, help="scrapes at once in phase 3")
+    ap.add_argument("--bursts", type=int, default=5, help="bursts in phase 3")
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds per phase, at most")
     ap.add_argument("--quick", action="store_true",
                     help="1 GPU, 20 scrapes, 5 clients x 50 requests, 50 idle clients")
     a = ap.parse_args()
     if a.quick:
         a.devices, a.scrapes, a.clients, a.requests, a.slow = 1, 20, 5, 50, 50
+        a.burst, a.bursts = 50, 2
         a.procs = min(a.procs, 2)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs
     load0 = os.getloadavg()[0]
@@ -233,9 +272,10 @@ def main() -> int:
     row(f"storm {a.clients} x {a.requests}", st["lat"], st["failed"],
         f"{kind}: {counts}; {st['rate']:.0f} req/s over {st['took']:.1f} s; daemon CPU "
         f"{storm_cpu:.1f} s")
+    bursts = ", ".join(f"{k}: {v}" for k, v in sorted(slow["burst"].items()))
     row(f"{a.slow} idle clients", slow["lat"], slow["failed"],
         f"{slow['held']} held open ({slow['refused']} refused), {slow['closed']} closed by "
-        "the server")
+        f"the server; {a.bursts} bursts of {a.burst} scrapes at once: {bursts}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

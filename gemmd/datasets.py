@@ -67,6 +67,9 @@ class Dataset:
 
 
 _MISSING = ("", "[N/A]", "N/A", "NA", "nan", "NaN", "-")
+# A number in a data file: ASCII digits, an optional sign, one '.', an exponent; nothing
+# else (no separators, no other scripts' digits, no inf).
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
 
 
 def _open_text(path: str | Path):
@@ -134,18 +137,15 @@ class _Csv:
                unit: str = "") -> np.ndarray:
         """A numeric column; missing cells are NaN when ``optional``, else an error."""
         vals = self.text(name)
-        clean = ["nan" if v in _MISSING else v.replace(",", "") for v in vals]
-        try:
-            x = np.array(clean, dtype=np.float64)
-        except ValueError:
-            x = None
-        if x is None:
-            for i, v in enumerate(clean):
-                try:
-                    float(v)
-                except ValueError:
-                    raise self.error(i, name, f"{vals[i]!r} is not a number") from None
-        assert x is not None
+        # Strict ASCII decimal (issue 24): float() also reads "0_1" as 1 and full-width
+        # digits, and stripping "," read the decimal comma of "0,12" as a thousands
+        # separator. An unreadable number is refused, never guessed.
+        for i, v in enumerate(vals):
+            if v not in _MISSING and not _DECIMAL.fullmatch(v):
+                hint = " (a decimal comma? gemmd reads '.' only, without separators)" \
+                    if "," in v else ""
+                raise self.error(i, name, f"{v!r} is not a number{hint}")
+        x = np.array(["nan" if v in _MISSING else v for v in vals], dtype=np.float64)
         missing = np.array([v in _MISSING for v in vals])
         for i in np.flatnonzero(~missing & ~np.isfinite(x))[:1]:
             raise self.error(i, name, f"{vals[i]!r} is not a finite number")
@@ -407,6 +407,7 @@ GPU_COLUMNS = {**{f"peak_{d}_tflops": ("peak", d) for d in DTYPES},
                "power_limit_w": ("power_w", None), "tdp_w": ("power_w", None)}
 # Sanity bounds: a value outside them is almost always a unit mistake.
 MAX_POWER_W = 5000.0
+MAX_RUNTIME_S = 3600.0  # no probe GEMM runs for an hour (the fastest: the peak check)
 MAX_PEAK_MULTIPLE = 4.0  # achieved FLOP/s above this multiple of the datasheet peak
 ENERGY_TOLERANCE = 2.0  # energy within this factor of power x runtime
 
@@ -436,6 +437,14 @@ def measurement_column(header: str) -> tuple[str, float] | tuple[str, None] | No
                     if rest in units:
                         return si, units[rest]
     return None
+
+
+def _statistic(header: str) -> str:
+    """What a measurement column summarizes: median, mean, or '' (a plain time, power or
+    energy: runtime_ms, time_s, latency_us and power_w are all the same thing)."""
+    first = re.split(r"[\s\-_\(\[]+", header.strip().lower(), maxsplit=1)[0]
+    return {"median": "median", "mean": "mean", "avg": "mean", "average": "mean"}.get(
+        first, "")
 
 
 def _stem_rank(header: str, si: str) -> int:
@@ -473,6 +482,14 @@ def load_csv(path: str | Path, gpu: str | None = None,
     targets: dict[str, tuple[str, float]] = {}
     for si, heads in measured.items():
         heads.sort(key=lambda hc: _stem_rank(hc[0], si))
+        by_stat: dict[str, list[str]] = {}
+        for h, _ in heads:
+            by_stat.setdefault(_statistic(h), []).append(h)
+        for same in by_stat.values():
+            if len(same) > 1:  # time_ms and time_s: which one is right? (issue 24)
+                raise InputError(f"{f.path}: columns {', '.join(same)} both give "
+                                 f"{si.split('_')[0]} (the same statistic): which one is "
+                                 "meant is not clear; keep one")
         targets[si] = heads[0]
         if len(heads) > 1:
             notes.append(f"{si.split('_')[0]} from column {heads[0][0]}; "
@@ -530,7 +547,8 @@ def load_csv(path: str | Path, gpu: str | None = None,
         seen[si] = c
         unit = re.split(r"[_\s\(\[\-]+", c.strip().rstrip(")]"))[-1].lower()
         unit = _UNIT_DISPLAY.get(unit, unit)
-        hi = MAX_POWER_W / factor if si == "power_w" else None
+        hi = {"power_w": MAX_POWER_W, "runtime_s": MAX_RUNTIME_S,
+              "energy_j": MAX_POWER_W * MAX_RUNTIME_S}[si] / factor
         cols[si] = f.floats(c, optional=True, positive=True, hi=hi, unit=unit) * factor
         for i in np.flatnonzero(cols[si] == 0)[:1]:  # positive, but 0 once in SI units
             raise f.error(i, c, f"{f.text(c)[i]} {unit} is too small to be a measurement "

@@ -26,6 +26,7 @@ from gemmd.errors import ModelError, StoreError
 from gemmd.features import NUMERIC_DEFAULTS, TARGET_COLUMNS, TEXT_DEFAULTS, Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, Prediction, RooflinePredictor, TransferModel
+from gemmd.modelfile import check_archive
 from gemmd.state import State
 from gemmd.store import Store
 
@@ -117,8 +118,9 @@ class ModelRegistry:
         self.prior: ForestModel | None = None  # the fleet's reference model, if configured
         if cfg.reference:
             try:
+                check_archive(Path(cfg.reference).expanduser())  # a file that travelled
                 self.prior = ForestModel.load(Path(cfg.reference).expanduser(),
-                                              cfg.reference_sha256 or None)
+                                              cfg.reference_sha256.lower() or None)
                 self.prior.version = f"ref-{self.prior.meta.get('data_hash', '')[:8]}"
                 logger.info("reference model %s (%s): each device is calibrated on its own "
                             "probes", cfg.reference, self.prior.version)

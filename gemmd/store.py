@@ -22,6 +22,7 @@ and where, the recovery once with how many results were not written.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -198,6 +199,61 @@ class StoreWriteError(StoreError):
         self.full = full
 
 
+LOCK_NAME = "gemmd.lock"
+
+
+class InstanceLock:
+    """One daemon per state directory (as Prometheus's TSDB lock): an exclusive flock on
+    ``state_dir/gemmd.lock`` while the daemon runs. Two daemons on one directory both
+    wrote rows for the same GPUs (issue 24). The kernel drops the lock when the process
+    ends however it ends (no stale lock after SIGKILL); the file says who holds it.
+    One-shot commands (probe, import, status) take no lock: SQLite serializes them."""
+
+    def __init__(self, state_dir: str | Path):
+        self.path = Path(state_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> InstanceLock:
+        """Take the lock; StoreError naming the holder if another process has it. A
+        directory that cannot be created or written is left for the store to explain."""
+        import fcntl
+        import socket
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return self
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                logger.warning("state_dir %s: cannot lock %s (%s): make sure no other gemmd "
+                               "runs on it", self.path.parent, self.path.name,
+                               e.strerror or e)
+                return self
+            raise StoreError(f"state_dir {self.path.parent} is in use by another gemmd "
+                             f"({holder or 'its lock file names no process'}): one daemon "
+                             "per state directory; stop that one or give this one its own "
+                             "state_dir") from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
+                  .encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the file stays: removing it would race a new daemon
+            self._fd = None
+
+
 class Store:
     def __init__(self, path: str | Path, *, check: bool = True):
         """Open (creating if needed), check, migrate and describe the store at ``path``.
@@ -252,6 +308,80 @@ class Store:
             if isinstance(e, sqlite3.Error):
                 raise StoreError(f"cannot open store {self.path}: {e}{self._space(e)}") from e
             raise
+        self._identity = self._file_identity()
+        self._file_problem: str | None = None  # the last one logged by check_file()
+
+    # ------------------------------------------------------ the file, while open
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def check_file(self) -> str | None:
+        """Whether the database file is still the one this store writes (the daemon asks
+        every few seconds). Deleted (``rm gemmd.db*``): everything written went on into
+        the deleted file and was lost at stop, without a word (issue 24); now the open
+        database is copied back to its path and the store goes on there, with a warning.
+        Replaced by another file: an error, logged once; this store keeps writing to the
+        file it opened (a restart uses the new one). Returns the problem, or None."""
+        with self._lock:
+            now = self._file_identity()
+            if now == self._identity:
+                self._file_problem = None
+                return None
+            if now is None:
+                return self._restore_file()
+            problem = (f"store {self.path} was replaced by another file while gemmd runs: "
+                       "gemmd goes on writing to the file it opened, which is no longer "
+                       "there and is lost when gemmd stops; restart gemmd to use the new "
+                       "file, or put the old one back")
+            if problem != self._file_problem:
+                logger.error("%s", problem)
+                self._file_problem = problem
+            return problem
+
+    def _restore_file(self) -> str | None:
+        """The database file was deleted: write the open database back to its path (the
+        SQLite backup API reads it through this connection), then use that file."""
+        tmp = self.path.with_name(f".{self.path.name}.restore-{os.getpid()}")
+        try:
+            tmp.unlink(missing_ok=True)
+            copy = sqlite3.connect(str(tmp))
+            try:
+                self._db.backup(copy)
+            finally:
+                copy.close()
+            for suffix in ("-wal", "-shm"):  # the deleted database's, if left behind
+                self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+            os.replace(tmp, self.path)
+            db = sqlite3.connect(str(self.path), check_same_thread=False,
+                                 isolation_level=None, timeout=30.0)
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+        except (sqlite3.Error, OSError) as e:
+            tmp.unlink(missing_ok=True)
+            problem = (f"store {self.path} was deleted while gemmd runs and cannot be written "
+                       f"back ({e}): results are kept only until gemmd stops")
+            if problem != self._file_problem:
+                logger.error("%s", problem)
+                self._file_problem = problem
+            return problem
+        old, self._db = self._db, db
+        try:
+            old.close()
+        except sqlite3.Error:
+            pass
+        self._identity = self._file_identity()
+        rows = self._db.execute("SELECT COUNT(*) FROM probes").fetchone()[0]
+        problem = (f"store {self.path} was deleted while gemmd runs: written back from the "
+                   f"open database ({rows:,} probe results); gemmd goes on storing there")
+        logger.warning("%s", problem)
+        self._file_problem = None
+        return problem
 
     # ------------------------------------------------------------- checks on open
     def _check_writable(self, existed: bool) -> None:
@@ -378,8 +508,13 @@ class Store:
     # ------------------------------------------------------------- schema
     def _migrate(self) -> None:
         version = self._check_version()
+        if version == 0:  # a new store: one line, not one per migration
+            logger.info("store %s: created (schema %d)", self.path, SCHEMA_VERSION)
+        elif version < SCHEMA_VERSION:
+            logger.info("store %s: migrating schema %d -> %d", self.path, version,
+                        SCHEMA_VERSION)
         for v in range(version, SCHEMA_VERSION):
-            logger.info("store %s: migrating schema %d -> %d", self.path, v, v + 1)
+            logger.debug("store %s: migration %d -> %d", self.path, v, v + 1)
             with self._lock:
                 try:
                     self._db.execute("BEGIN IMMEDIATE")
@@ -624,7 +759,9 @@ class Store:
     def prune(self, retention_days: float | None, max_rows: int | None,
               now: float | None = None, sources: Sequence[str] = (DAEMON_SOURCE,)) -> int:
         """Delete probes of ``sources`` older than the retention or beyond ``max_rows``
-        (oldest first), each source on its own; other sources are never touched.
+        (the first written first: insertion order does not move with the clock), each
+        source on its own; other sources are never touched. ``now``: the time retention
+        counts from (the daemon passes its clock corrected for jumps it saw).
 
         The daemon prunes its own probes only: imported measurements are the user's data,
         removed only when asked (``gemmd prune --source NAME``). None: no limit.
@@ -640,7 +777,7 @@ class Store:
                 if max_rows is not None:
                     n += db.execute(
                         "DELETE FROM probes WHERE id IN (SELECT id FROM probes WHERE source = ? "
-                        "ORDER BY ts DESC, id DESC LIMIT -1 OFFSET ?)",
+                        "ORDER BY id DESC LIMIT -1 OFFSET ?)",
                         (source, int(max_rows))).rowcount
             if DAEMON_SOURCE in sources:  # the daemon's events go with its probes
                 if retention_days is not None:
@@ -719,13 +856,15 @@ class Store:
                             f"SELECT COUNT(*) FROM probes WHERE {where} GROUP BY {group}", args)),
                         dtype=np.int64)
                     q = _quota(counts, max_rows)
+                    # Newest by insertion (id), not by the wall clock: after the clock
+                    # went back, fresh probes carry older times (issue 24).
                     ranked = (f"SELECT {cols}, id, ROW_NUMBER() OVER (PARTITION BY {group} "
-                              f"ORDER BY ts DESC, id DESC) AS rn FROM probes WHERE {where}")
+                              f"ORDER BY id DESC) AS rn FROM probes WHERE {where}")
                     if q >= 1:
                         sql = f"SELECT {cols} FROM ({ranked}) WHERE rn <= {q} ORDER BY ts, id"
                     else:  # more configurations than max_rows: the newest ones, once each
                         sql = (f"SELECT {cols} FROM (SELECT * FROM ({ranked}) WHERE rn = 1 "
-                               f"ORDER BY ts DESC, id DESC LIMIT {int(max_rows)}) ORDER BY ts, id")
+                               f"ORDER BY id DESC LIMIT {int(max_rows)}) ORDER BY ts, id")
                 return _read_columns(self._db, sql, args), total
             except sqlite3.Error as e:
                 raise StoreError(f"store {self.path}: cannot read training data: {e}") from e

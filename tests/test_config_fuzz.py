@@ -232,3 +232,44 @@ def test_any_yaml_text_loads_or_raises_config_error(fuzz_file, loader, examples)
     with mock.patch.object(config, "_Loader", loader), \
             mock.patch.object(config, "clock", lambda: 0.0):
         run()
+
+
+# ----------------------------------------- issue 24: passed check-config, failed at run
+
+@pytest.mark.parametrize("data, problem", [
+    ({"drift": {"targets": ["runtime", "runtime"]}}, "drift.targets[1]: 'runtime' is listed "
+                                                     "twice"),
+    ({"drift": {"targets": []}}, "drift.targets: must not be empty"),
+    ({"probes": {"sentinels": [{"shapes": [[64, 64, 64]], "dtypes": ["fp32", "fp16", "fp32"]}]}},
+     "probes.sentinels[0].dtypes[2]: 'fp32' is listed twice"),
+    ({"listen": {"address": "999.1.1.1"}}, "listen.address: '999.1.1.1' is not an IPv4 "
+                                           "address"),
+    ({"listen": {"address": "1.2.3"}}, "listen.address: '1.2.3' is not an IPv4 address"),
+])
+def test_values_that_only_failed_at_run_are_refused_by_the_check(data, problem):
+    with pytest.raises(ConfigError) as e:
+        parse(data)
+    assert any(problem in p for p in e.value.problems), e.value.problems
+
+
+def test_negative_zero_is_zero():
+    """`fake: {noise: -0.0}` passed min 0 and every round tracebacked (numpy: scale < 0):
+    every number of the configuration reads -0.0 as 0.0."""
+    import numpy as np
+
+    cfg = parse({"fake": {"noise": -0.0, "jitter": -0.0}, "budget": {"duty_cycle": 0.5},
+                 "drift": {"accept_after_s": -0.0}})
+    for v in (cfg.fake.noise, cfg.fake.jitter, cfg.drift.accept_after_s):
+        assert v == 0.0 and math.copysign(1.0, v) == 1.0
+    np.random.default_rng(0).normal(0.0, cfg.fake.noise)  # what the fake device does
+
+
+def test_a_fifo_as_configuration_is_refused_at_once(tmp_path):
+    import os
+
+    fifo = tmp_path / "gemmd.yaml"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        load(fifo)
+    assert "named pipe" in str(e.value) and time.monotonic() - t < 5

@@ -9,6 +9,7 @@ headers) and its validation. Every wait is bounded by a socket timeout or a dead
 from __future__ import annotations
 
 import base64
+import collections
 import gzip
 import http.client
 import os
@@ -272,6 +273,38 @@ def test_excess_requests_get_503_at_once_not_a_queue(start):
     assert first and first[0][0] == 200
 
 
+def test_a_hundred_concurrent_scrapes_are_all_served_beside_300_idle_clients(start):
+    """Issue 24: 100 parallel scrapes while 300 idle connections were open got 32-39
+    answers, the rest 503 (32 in flight). Scrapes that arrive together share one render;
+    all of them are served."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200 and (hard == resource.RLIM_INFINITY or hard >= 1200):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    elif soft < 1200:
+        pytest.skip(f"open-file limit {soft}")
+    exp = CountingExposition()
+    httpd = start(exp, max_connections=512, read_timeout=60)
+    port = httpd.server_port
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(300)]
+    try:
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=10)
+                 for _ in range(100)]
+        for s in socks:  # all 100 requests are in before the first answer is read
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n")
+        statuses = []
+        for s in socks:
+            statuses.append(status_of(read_all(s, 20)))
+            s.close()
+        assert statuses == [200] * 100, collections.Counter(statuses)
+        assert exp.calls == 100
+        assert exp.renders == 1  # one render of the state's families, shared by all
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_listen_backlog_holds_a_burst_while_the_server_is_busy(start):
     """While the event loop is blocked, 100 clients still complete their TCP handshake
     (backlog 128; with 5, most would wait for SYN retransmits) and are all served after."""
@@ -366,14 +399,35 @@ def test_out_of_file_descriptors_backs_off_logs_once_and_recovers(tmp_path):
     (b"GET  /metrics HTTP/1.1\r\n\r\n", 400),
     (b"GET metrics HTTP/1.1\r\n\r\n", 400),
     (b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n", 400),
-    (b"GET /metrics HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n", 400),
-    (b"GET /metrics HTTP/1.1\r\nContent-Length: x\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: x\r\n\r\n", 400),
     (b"GET /metrics HTTP/2.0\r\n\r\n", 505),
     (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),  # HTTP/2 prior knowledge
-    (b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 501),
-    (b"GET /metrics HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n", 413),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+     501),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n", 413),
     (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", 414),
-    (b"GET /metrics HTTP/1.1\r\n" + b"X-A: b\r\n" * 2000 + b"\r\n", 431),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-A: b\r\n" * 2000 + b"\r\n", 431),
+    # Issue 24 (a hand-written parser's classic bugs; h11 parses now): targets urlsplit
+    # raised on (no answer at all), Content-Length in non-ASCII digits (str.isdigit) or
+    # past int()'s 4,300 digits, a CR before the CRLF, HTTP/1.1 without Host or with two.
+    (b"GET http://[/metrics HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET http://[::1/metrics HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET https://a]b/metrics HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    ("GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"),
+     400),
+    ("GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b9\r\n\r\n".encode(), 400),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+     400),
+    (b"GET /metrics HTTP/1.1\r\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\n\r\n", 400),  # no Host
+    (b"GET /metrics HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+     400),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+    (b"GET * HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    (b"GET /metrics HTTP/9.9\r\nHost: x\r\n\r\n", 505),
 ])
 def test_malformed_requests_get_an_answer_and_are_closed(start, data, status):
     httpd = start()
@@ -394,13 +448,19 @@ def test_garbage_line_is_answered_before_the_head_ends(start):
 def test_a_request_with_a_body_and_a_half_close_still_get_an_answer(start):
     httpd = start()
     with socket.create_connection(("127.0.0.1", httpd.server_port), timeout=5) as s:
-        s.sendall(b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
+        s.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
         s.shutdown(socket.SHUT_WR)
         got = read_all(s, 5)
     assert status_of(got) == 405 and b"\r\nAllow: GET, HEAD\r\n" in got
     # Leading empty lines and bare LF line ends are tolerated (RFC 9112 2.2).
     got = raw(httpd.server_port, b"\r\n\r\nGET /-/healthy HTTP/1.0\n\n")
     assert status_of(got) == 200
+    # Obsolete line folding is replaced by a space (RFC 9112 5.2 allows that or 400); a
+    # well-formed absolute-form target is served.
+    for data in (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-A: b\r\n folded\r\n\r\n",
+                 b"GET http://user@[::1]:9477/metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n",
+                 b"GET http://127.0.0.1/metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"):
+        assert status_of(raw(httpd.server_port, data)) == 200, data
 
 
 # ----------------------------------------------------------------------------- 3. gzip
@@ -441,7 +501,7 @@ def test_head_sends_headers_without_a_body(start):
         head, _, rest = got.partition(b"\r\n\r\n")
         assert rest == b"", path  # nothing after the headers
         assert b"\r\nContent-Length: " in head
-    got = raw(httpd.server_port, b"HEAD /metrics HTTP/1.1\r\n\r\n")
+    got = raw(httpd.server_port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
     length = int(got.split(b"Content-Length: ")[1].split(b"\r\n")[0])
     assert abs(length - len(body)) < 200  # as GET's (the live gauges' digits vary)
     assert get_headers["Content-Length"] == str(len(body))
@@ -453,7 +513,8 @@ def test_server_header_names_no_versions(start):
     answers = [request(port, p)[1]["Server"] for p in ("/metrics", "/", "/nope")]
     answers.append(request(port, method="POST")[1]["Server"])
     assert answers == ["gemmd"] * 4
-    for data in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n\r\n"):
+    for data in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                 b"GET / HTTP/1.1\r\n\r\n"):
         got = raw(port, data)
         assert b"Python" not in got and b"WSGIServer" not in got
 
@@ -464,6 +525,41 @@ def test_not_found_and_landing_page(start):
     status, headers, body = request(httpd.server_port, "/")
     assert status == 200 and b"/metrics" in body and headers["Content-Type"].startswith(
         "text/html")
+
+
+def test_the_runbook_is_served_with_a_section_per_alert(start):
+    """/runbook: docs/runbook.md as HTML, one anchor per section as GitHub names them (what
+    the rules' runbook_urls link); /runbook.md: the Markdown; both from the text that
+    travels in the package, in step with docs/runbook.md."""
+    import re
+    import subprocess
+    import sys
+
+    from gemmd.exporter import runbook
+
+    exp = CountingExposition()
+    port = start(exp).server_port
+    status, headers, body = request(port, "/runbook")
+    assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
+    page = body.decode()
+    doc = (ROOT / "docs" / "runbook.md").read_text()
+    sections = [runbook.anchor(line[3:]) for line in doc.splitlines() if line.startswith("## ")]
+    assert sections and all(f'<h2 id="{a}">' in page for a in sections)
+    assert "<table>" in page and "<pre><code>" in page and "<script" not in page
+    status, headers, body = request(port, "/runbook.md")
+    assert status == 200 and headers["Content-Type"] == "text/markdown; charset=utf-8"
+    assert body.decode() == doc
+    assert request(port, "/runbook", method="HEAD")[2] == b""
+    assert exp.calls == 0
+    r = subprocess.run([sys.executable, "-m", "gemmd.exporter.runbook", "--check"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    # Markdown is escaped, links to the repository's other files become text.
+    html_ = runbook.to_html("## A <b> & `x<y>`\n\nsee [drift](docs/drift.md), "
+                            "[up](https://example.org/a?b=1&c=2)\n")
+    assert '<h2 id="a-b--xy">A &lt;b&gt; &amp; <code>x&lt;y&gt;</code></h2>' in html_
+    assert "see drift, " in html_ and 'href="https://example.org/a?b=1&amp;c=2"' in html_
+    assert not re.search(r"<b>", html_)
 
 
 # ------------------------------------------------------------------- 6. health endpoints
@@ -575,6 +671,38 @@ something: else
             "something: unknown key"):
         assert needle in text, f"{needle!r} not in:\n{text}"
     assert secret_looking not in str(err)  # a password (hash) is never echoed
+
+
+def test_web_config_refuses_bcrypt_costs_that_take_seconds_and_fifos(tmp_path, pki):
+    """Issue 24: cost 31 passed and `gemmd run` then hashed a decoy at that cost on its
+    main thread (days, deaf to SIGTERM); a FIFO as the web config, certificate or key
+    hung check-config and run (open() waits for a writer)."""
+    salt = hash_of(b"pw")[7:]
+    p = _write(tmp_path / "web.yml", f"""
+basic_auth_users:
+  slow: $2b$31${salt}
+  fast: $2b$03${salt}
+  ok: $2b$14${salt}
+""")
+    with pytest.raises(ConfigError) as e:
+        load_web_config(p)
+    text = "\n".join(e.value.problems)
+    assert "basic_auth_users.slow: bcrypt cost 31 is outside 04-14 (each check would take " \
+           "about 35 hours of CPU)" in text
+    assert "basic_auth_users.fast: bcrypt cost 3 is outside 04-14;" in text
+    assert "basic_auth_users.ok" not in text
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    for text in (tls_yaml(pki).replace(str(pki / "server.pem"), str(fifo)),
+                 tls_yaml(pki).replace(str(pki / "server.key"), str(fifo))):
+        with pytest.raises(ConfigError) as e:
+            load_web_config(_write(tmp_path / "web.yml", text))
+        assert f"cannot read {fifo}: not a regular file (a named pipe)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_web_config(fifo)
+    assert "named pipe" in str(e.value)
+    assert time.monotonic() - t < 5
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -739,6 +867,12 @@ http_server_config:
     # Health endpoints are exempt: Kubernetes and Docker probes send no credentials.
     assert request(port, "/-/healthy", context=ctx)[0] == 200
     assert request(port, "/-/ready", context=ctx)[0] == 200
+    # So is the runbook an alert links: opened in a browser, the same on every host.
+    calls = exp.calls
+    status, h, body = request(port, "/runbook", context=ctx)
+    assert status == 200 and b'id="gemmddown"' in body
+    assert h["X-Content-Type-Options"] == "nosniff"
+    assert exp.calls == calls
 
 
 def test_basic_auth_caches_bcrypt_and_compares_in_constant_time(monkeypatch):
@@ -763,6 +897,70 @@ def test_basic_auth_caches_bcrypt_and_compares_in_constant_time(monkeypatch):
     assert auth.check(good) and auth.check(basic("other", "x")["Authorization"])
 
 
+def test_wrong_passwords_never_starve_a_good_scrape(start, tmp_path, monkeypatch, caplog):
+    """Issue 24: 32 clients sending distinct wrong passwords filled the 32 in-flight slots
+    with bcrypt checks; Prometheus's scrape got 200 in 2 of 40 tries. Now a verified
+    credential is answered from the cache (no bcrypt, no slot), a new one from an address
+    without failures is checked first, wrong ones are limited per address (429) and in
+    CPU, and logged once. bcrypt is made slow by sleeping (no CPU: any machine speed)."""
+    from gemmd.exporter.http import _AuthGate
+
+    real, calls = bcrypt.checkpw, []
+
+    def slow(password, hashed):
+        calls.append(password)
+        time.sleep(0.1)
+        return real(password, hashed)
+
+    monkeypatch.setattr(bcrypt, "checkpw", slow)
+    cfg = web_config(tmp_path, f"basic_auth_users:\n  prometheus: {hash_of(b's3cret')}\n")
+    port = start(CountingExposition(), web_config=cfg).server_port
+    good = basic("prometheus", "s3cret")
+    stop, lock, got = threading.Event(), threading.Lock(), collections.Counter()
+
+    def attacker(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10,
+                                              source_address=(f"127.0.0.{2 + i % 4}", 0))
+            try:
+                conn.request("GET", "/metrics", headers=basic("prometheus", f"guess-{i}-{n}"))
+                status: int | str = conn.getresponse().status
+            except OSError as e:
+                status = type(e).__name__
+            finally:
+                conn.close()
+            with lock:
+                got[status] += 1
+            stop.wait(0.02)
+
+    t0 = time.monotonic()
+    attackers = [threading.Thread(target=attacker, args=(i,)) for i in range(32)]
+    for t in attackers:
+        t.start()
+    try:
+        time.sleep(0.5)
+        lat = []
+        for _ in range(20):  # the first one needs bcrypt: its address has no failures
+            t = time.monotonic()
+            status = request(port, headers=good, timeout=10)[0]
+            lat.append(time.monotonic() - t)
+            assert status == 200, got
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(timeout=15)
+    elapsed = time.monotonic() - t0
+    assert max(lat[1:]) < 1.0 and lat[0] < 2.0, lat
+    assert set(got) <= {401, 429, 503} and got[429] > got[401], got
+    # bcrypt ran for the good password, each address's burst and then one failure per
+    # FAIL_EVERY_S per address (4 addresses), not once per attempt.
+    bound = 1 + 4 * (_AuthGate.FAIL_BURST + elapsed / _AuthGate.FAIL_EVERY_S + 1)
+    assert len(calls) <= bound, (len(calls), bound, got)
+    assert caplog.text.count("failed basic-auth attempt") == 1, caplog.text
+
+
 # --------------------------------------------------------------------- lifecycle, IPv6
 
 def test_clients_that_vanish_leave_nothing_behind(start, tmp_path, pki):
@@ -776,7 +974,7 @@ def test_clients_that_vanish_leave_nothing_behind(start, tmp_path, pki):
             if i % 3 == 0:
                 s.sendall(b"\x16\x03\x01" if cfg else b"GET /met")
             elif cfg is None:
-                s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             s.close()
         ctx = client_context(pki) if cfg else None
         assert request(port, context=ctx)[0] == 200
@@ -816,7 +1014,17 @@ def test_ipv6(start):
 
 # -------------------------------------------------- the daemon, wired
 
-def test_gemmd_run_serves_https_with_basic_auth_from_its_config(tmp_path, pki):
+@pytest.mark.parametrize("text", ["tls_server_config: {}\n", "tls_server_config:\n",
+                                  "basic_auth_users: {}\n", ""])
+def test_a_web_config_without_tls_serves_and_says_plain_http(start, tmp_path, text):
+    """Issue 24: with `tls_server_config: {}` or null, or basic auth only, the daemon said
+    `metrics on https://...` while it served plain HTTP (it looked at the file's name)."""
+    httpd = start(web_config=web_config(tmp_path, text))
+    assert httpd.scheme == "http"
+    assert request(httpd.server_port, "/-/healthy")[0] == 200
+
+
+def test_gemmd_run_serves_https_with_basic_auth_from_its_config(tmp_path, pki, caplog):
     """listen.web_config_file (relative to the config file) reaches the daemon: HTTPS,
     basic auth, /-/ready once the jobs run; a wrong password gets 401."""
     import dataclasses
@@ -835,8 +1043,10 @@ def test_gemmd_run_serves_https_with_basic_auth_from_its_config(tmp_path, pki):
     cfg = load(cfg_path)
     assert cfg.listen.web_config_file == str(tmp_path / "web.yml")
     d = Daemon(dataclasses.replace(cfg))
+    caplog.set_level("INFO", "gemmd.daemon")
     d.start()
     try:
+        assert f"metrics on https://127.0.0.1:{d.port}/metrics" in caplog.text
         ctx = client_context(pki)
         base = f"https://127.0.0.1:{d.port}"
         with urllib.request.urlopen(base + "/-/ready", context=ctx, timeout=10) as r:
@@ -874,3 +1084,32 @@ def test_the_images_healthcheck_passes_over_http_and_https_and_fails_when_nothin
     free = s.getsockname()[1]
     s.close()
     assert _docker_healthcheck(free) == 1
+
+
+# ------------------------------------------- a sample of bench/fuzz_http.py (issue 24)
+
+def test_a_sample_of_hostile_requests_each_gets_the_right_answer(start):
+    """Every class of bench/fuzz_http.py (targets, versions, Host, Content-Length,
+    Transfer-Encoding, line ends, control bytes, sizes, garbage) plus random damage: every
+    request gets a status line, a defect a 4xx/5xx, a valid request a 2xx."""
+    import concurrent.futures
+    import datetime
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("fuzz_http", ROOT / "bench" / "fuzz_http.py")
+    assert spec and spec.loader
+    fuzz = importlib.util.module_from_spec(spec)
+    sys.modules["fuzz_http"] = fuzz  # its dataclasses look their module up while defined
+    spec.loader.exec_module(fuzz)
+    seed = int(datetime.date.today().strftime("%Y%m%d"))
+    r = random.Random(seed)
+    cases = fuzz.cases_of_class(r) + [fuzz.random_case(r) for _ in range(100)]
+    httpd = start(read_timeout=fuzz.READ_TIMEOUT_S)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda c: fuzz.send(httpd.server_port, c, random.Random(seed)),
+                            cases))
+    bad = [f"{c.kind}: {c.data[:80]!r} -> {why}" for c, g in zip(cases, got)
+           if (why := fuzz.judge(c, g))]
+    assert not bad, f"seed {seed}:\n" + "\n".join(bad)
+    assert request(httpd.server_port, "/-/healthy")[0] == 200

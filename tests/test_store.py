@@ -130,9 +130,10 @@ def test_prune_by_age(store):
 
 
 def test_prune_by_max_rows_keeps_newest(store):
+    """The newest written (ids), whatever the clock said when they were (issue 24)."""
     store.insert_probes([row(ts=float(t)) for t in (5, 1, 4, 2, 3)])
     assert store.prune(retention_days=1000, max_rows=2, now=10.0) == 3
-    assert [r["ts"] for r in store.probes()] == [5.0, 4.0]
+    assert [r["ts"] for r in store.probes()] == [3.0, 2.0]
     assert store.prune(retention_days=1000, max_rows=2, now=10.0) == 0
 
 
@@ -643,3 +644,97 @@ def test_a_store_on_a_read_only_filesystem_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "statvfs", lambda p: Ro(real(p)))
     with pytest.raises(StoreError, match="gemmd.db: on a read-only filesystem; gemmd must"):
         Store(tmp_path / "gemmd.db")
+
+
+# ---------------------------------- issue 24: a second daemon, a deleted file, a clock
+
+def test_one_daemon_per_state_directory(tmp_path):
+    """Two daemons on one state directory both started and wrote rows for the same GPUs:
+    the second is refused with the first one's pid; the lock goes with the first."""
+    from gemmd.store import LOCK_NAME, InstanceLock
+
+    first = InstanceLock(tmp_path).acquire()
+    try:
+        with pytest.raises(StoreError) as e:
+            InstanceLock(tmp_path).acquire()
+        assert f"state_dir {tmp_path} is in use by another gemmd (pid {os.getpid()} on " \
+               in str(e.value)
+        assert "one daemon per state directory" in str(e.value)
+    finally:
+        first.release()
+    InstanceLock(tmp_path).acquire().release()  # free again
+    # A process that dies holding it leaves no stale lock (the kernel drops flocks).
+    code = ("import sys, os; from gemmd.store import InstanceLock; "
+            f"InstanceLock({str(tmp_path)!r}).acquire(); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+    InstanceLock(tmp_path).acquire().release()
+    assert (tmp_path / LOCK_NAME).is_file()
+
+
+def test_a_database_deleted_while_open_is_written_back(tmp_path, caplog):
+    """`rm gemmd.db*` while the daemon ran: it went on writing into the deleted file and
+    everything was gone at stop, without a word."""
+    path = tmp_path / "gemmd.db"
+    s = Store(path)
+    try:
+        s.insert_probes([row(ts=1000.0 + i) for i in range(5)])
+        assert s.check_file() is None
+        for p in tmp_path.glob("gemmd.db*"):
+            p.unlink()
+        caplog.set_level(logging.WARNING)
+        problem = s.check_file()
+        assert problem and "was deleted while gemmd runs: written back" in problem
+        assert "5 probe results" in caplog.text
+        s.insert_probes([row(ts=2000.0)])
+        with closing(sqlite3.connect(path)) as db:  # another process sees all of it
+            assert db.execute("SELECT COUNT(*) FROM probes").fetchone()[0] == 6
+        assert s.check_file() is None
+    finally:
+        s.close()
+    s = Store(path)
+    try:
+        assert len(s.probes(limit=100)) == 6
+    finally:
+        s.close()
+
+
+def test_a_database_replaced_while_open_is_an_error_logged_once(tmp_path, caplog):
+    path = tmp_path / "gemmd.db"
+    s = Store(path)
+    try:
+        other = tmp_path / "other.db"
+        Store(other).close()
+        os.replace(other, path)
+        caplog.set_level(logging.ERROR)
+        for _ in range(3):
+            assert "was replaced by another file" in s.check_file()
+        assert caplog.text.count("was replaced by another file") == 1
+    finally:
+        s.close()
+
+
+def test_retention_and_caps_do_not_follow_a_jumping_clock(tmp_path):
+    """The clock went back: fresh probes carry older times, and max_rows deleted them
+    first (it ordered by time). It went forward 100 days: retention deleted everything
+    (the daemon now counts from its clock less the jumps it saw)."""
+    from gemmd.clockwatch import ClockWatch
+
+    s = Store(tmp_path / "gemmd.db")
+    try:
+        t = 1.7e9
+        before = s.insert_probes([row(ts=t + i) for i in range(5)])
+        after = s.insert_probes([row(ts=t - 86400 + i) for i in range(5)])  # clock back
+        assert s.prune(None, 5, now=t) == 5
+        assert sorted(r["id"] for r in s.probes(limit=100)) == sorted(after)
+        cols, _ = s.training_columns(max_rows=2)
+        assert sorted(cols["ts"]) == [t - 86400 + 3, t - 86400 + 4]  # the newest written
+        assert before
+        wall = [t + 100.0]
+        watch = ClockWatch(wall=lambda: wall[0], mono=lambda: 100.0)
+        wall[0] += 100 * 86400  # forward 100 days
+        assert watch.check() == 100 * 86400 and watch.jumps == 1
+        assert s.prune(90, None, now=watch.now()) == 0
+        assert len(s.probes(limit=100)) == 5
+        assert s.prune(90, None, now=wall[0]) == 5  # what the wall clock alone did
+    finally:
+        s.close()

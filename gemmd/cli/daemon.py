@@ -20,6 +20,18 @@ from gemmd.errors import InputError
 def cmd_check_config(args: argparse.Namespace) -> int:
     path = args.file if args.file is not None else args.config  # '' is a (bad) file name
     cfg = load(path)
+    if cfg.model.reference:
+        # Loaded as the daemon will load it: a file it would refuse is refused now.
+        from gemmd.errors import ConfigError, ModelError
+        from gemmd.model import ForestModel
+        from gemmd.modelfile import check_archive
+
+        ref = os.path.expanduser(cfg.model.reference)
+        try:
+            check_archive(ref)
+            ForestModel.load(ref, cfg.model.reference_sha256.lower() or None)
+        except ModelError as e:
+            raise ConfigError(path or "<built-in defaults>", [f"model.reference: {e}"]) from e
     for w in warnings(cfg):
         print(f"gemmd: warning: {w}", file=sys.stderr)
     print(f"{path or '<built-in defaults>'}: OK")
@@ -40,7 +52,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         logging.getLogger("gemmd.config").warning("%s", w)
     from gemmd.daemon import Daemon
 
-    daemon = Daemon(cfg)
+    daemon = Daemon(cfg, refit_process=True)  # a refit's working set goes with its process
     signal.signal(signal.SIGTERM, lambda s, f: daemon.request_stop(s))
     signal.signal(signal.SIGINT, lambda s, f: daemon.request_stop(s))
     try:

@@ -3,6 +3,8 @@
 Text formatting costs ~15 us per labelled sample in prometheus_client (bench/RESULTS.md),
 so the state's families are rendered once per state change and served from that cache;
 only the live gauges (probe in flight, self-metrics, process) are rendered per scrape.
+Scrapes that arrive together share one render: the first renders under the lock, the
+others wait for it and copy the result.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from gemmd.state import State
 class Exposition:
     """The /metrics body: the state's families re-rendered only after the state changed."""
 
-    def __init__(self, state: State, *, process: bool = True):
+    def __init__(self, state: State, *, process: bool = True, profile: str = "full",
+                 hostname: str | None = None):
         self.state = state
-        self.metrics = assemble(state, process=process)
+        self.metrics = assemble(state, process=process, profile=profile, hostname=hostname)
         self._lock = threading.Lock()
         self._version: int | None = None
         self._text = b""

@@ -1,5 +1,6 @@
-"""The HTTP side of the exporter: /metrics (gzip when asked), health endpoints, a landing
-page; optional TLS and basic auth from a Prometheus exporter-toolkit web configuration file.
+"""The HTTP side of the exporter: /metrics (gzip when asked), health endpoints, the runbook
+the alerts link (/runbook), a landing page; optional TLS and basic auth from a Prometheus
+exporter-toolkit web configuration file.
 
 Anyone who can reach the port can talk to this server, so it is built to keep answering
 Prometheus whatever other clients do:
@@ -11,14 +12,24 @@ Prometheus whatever other clients do:
 - At most ``max_connections`` connections are open (default: half the free file
   descriptors, at most 512). Beyond that the connection that has waited longest without
   sending a complete request is closed: a scrape, whose request arrives at once, is never
-  the one dropped. Requests are rendered by a small thread pool; at most ``max_inflight``
-  are being rendered or written at a time, any more are answered 503 at once.
-- Malformed requests get 400 (431, 413, 414, 505 where those say more) and are closed;
-  out of file descriptors, the accept loop pauses a second and says so once in the log
-  instead of spinning.
+  the one dropped. Responses are made by a small thread pool; scrapes that arrive together
+  share one render of the metrics (the exposition's cache), so Prometheus HA pairs,
+  dashboards and a hundred scrapes at once are all served. At most ``max_inflight``
+  (256) requests are being answered (made or written) at a time, any more get 503 at
+  once: what bounds them is the memory of bodies written to slow readers.
+- Requests are parsed by h11 (a kept, sans-IO HTTP/1.1 parser: Host required once in
+  HTTP/1.1, strict Content-Length and line endings, ...); the request line is checked as
+  soon as it arrives. Malformed requests get 400 (431, 413, 414, 501, 505 where those say
+  more) and are closed; out of file descriptors, the accept loop pauses a second and says
+  so once in the log instead of spinning.
+- Basic auth: credentials verified once are answered from a cache (no bcrypt, no slot);
+  the others wait for one bcrypt thread, where wrong passwords are limited per client
+  address (429) and in the CPU they get, and logged once a minute (``_AuthGate``).
 - ``/-/healthy`` and ``/-/ready`` are answered on the event loop without rendering metrics
   and without authentication (so that Kubernetes and Docker probes, which cannot easily send
-  credentials, work; they disclose nothing but "up" and "ready").
+  credentials, work; they disclose nothing but "up" and "ready"). ``/runbook`` (and
+  ``/runbook.md``) neither: an operator opens it from an alert's runbook_url in a browser,
+  and it is gemmd's own documentation, the same on every host.
 """
 
 from __future__ import annotations
@@ -34,11 +45,13 @@ import hmac
 import io
 import ipaddress
 import logging
+import math
 import os
 import re
 import resource
 import socket
 import ssl
+import stat
 import sys
 import threading
 import time
@@ -47,10 +60,11 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote_to_bytes, urlsplit
+from urllib.parse import unquote_to_bytes
 from wsgiref.handlers import SimpleHandler
 from wsgiref.headers import Headers
 
+import h11
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import gzip_accepted
 
@@ -62,12 +76,19 @@ logger = logging.getLogger(__name__)
 SERVER = "gemmd"  # the Server header: no version numbers for scanners
 REALM = 'Basic realm="gemmd"'
 HEALTH_PATHS = ("/-/healthy", "/-/ready")
+RUNBOOK_PATHS = ("/runbook", "/runbook.md")
+PUBLIC_PATHS = (*HEALTH_PATHS, *RUNBOOK_PATHS)  # answered without credentials
 READ_TIMEOUT_S = 10.0  # TLS handshake + request head, in all
 WRITE_TIMEOUT_S = 30.0  # the response (MBs uncompressed for 8 GPUs) to a slow reader
 BACKLOG = 128
 ACCEPT_RETRY_S = 1.0  # out of file descriptors: accept() again after this
 WORKERS = 4
-MAX_INFLIGHT = 32
+# Requests being answered at once (made by the workers or being written); more get 503.
+# Scrapes that arrive together share one render of the state (Exposition's lock), so what
+# one more costs is its live gauges and, while a slow reader takes it, its body's memory
+# (1.7 MB uncompressed, 120 KB gzip for 8 GPUs x 100 probes): 256 serves Prometheus HA
+# pairs, dashboards and storms of a hundred scrapes at once within ~450 MB at worst.
+MAX_INFLIGHT = 256
 MAX_HEAD = 16 << 10  # request line + headers
 MAX_HEADERS = 100
 MAX_BODY = 64 << 10  # a body is read (and ignored) so that closing does not reset the answer
@@ -109,7 +130,12 @@ EXTRA_HEADERS: dict[str, tuple[str, ...]] = {
     "Strict-Transport-Security": (), "X-Content-Type-Options": ("nosniff",),
     "X-Frame-Options": ("deny", "sameorigin"), "X-XSS-Protection": (),
     "Content-Security-Policy": ()}
-_BCRYPT = re.compile(r"\$2[abxy]\$(0[4-9]|[12]\d|3[01])\$[./A-Za-z0-9]{53}")
+_BCRYPT = re.compile(r"\$2[abxy]\$(\d\d)\$[./A-Za-z0-9]{53}")
+# bcrypt's cost is a power of two: cost 10 takes ~60 ms a check on one core, 14 ~1 s, 31
+# (which Go's bcrypt, and so exporter-toolkit, accepts) about 9 days. gemmd refuses hashes
+# whose every check would take seconds: each scrape with a new password, and every wrong
+# password an attacker sends, would cost that much.
+MIN_BCRYPT_COST, MAX_BCRYPT_COST = 4, 14
 _TLS_KEYS = ("cert_file", "key_file", "client_ca_file", "client_auth_type",
              "client_allowed_sans", "min_version", "max_version", "cipher_suites",
              "prefer_server_cipher_suites")
@@ -252,12 +278,9 @@ def _tls_settings(tls: dict, base: Path, problems: list[str]) -> TLSSettings | N
             files[key] = None
         else:
             name = files[key] = str(base / v)
-            try:
-                with open(name, "rb") as f:
-                    f.read(1)
-            except (OSError, ValueError) as e:
-                problems.append(f"{k}{key}: cannot read {name}: "
-                                f"{getattr(e, 'strerror', None) or e}")
+            problem = unreadable(name)
+            if problem:
+                problems.append(f"{k}{key}: cannot read {name}: {problem}")
                 files[key] = None
     auth = tls.get("client_auth_type", "NoClientCert") or "NoClientCert"
     if auth not in CLIENT_AUTH:
@@ -306,6 +329,28 @@ def _tls_settings(tls: dict, base: Path, problems: list[str]) -> TLSSettings | N
     return settings
 
 
+def unreadable(name: str) -> str | None:
+    """Why the file ``name`` cannot be read as a certificate or key (None: it can). Only
+    regular files: OpenSSL's open() of a FIFO waits for a writer forever, and a device
+    never ends."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open() waits otherwise
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        return str(getattr(e, "strerror", None) or e)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            return os.strerror(errno.EISDIR)
+        if not stat.S_ISREG(mode):
+            return "not a regular file" + (" (a named pipe)" if stat.S_ISFIFO(mode) else "")
+        os.read(fd, 1)
+    except OSError as e:
+        return str(e.strerror or e)
+    finally:
+        os.close(fd)
+    return None
+
+
 def _ssl_reason(e: Exception) -> str:
     if isinstance(e, ssl.SSLError) and e.reason:
         return f"{e.library or 'SSL'}: {e.reason}"
@@ -334,10 +379,19 @@ def _users(users: dict, problems: list[str]) -> dict[str, str]:
         key = f"basic_auth_users.{user}"
         if not isinstance(user, str) or not user or ":" in user:
             problems.append(f"{key}: a user name is a non-empty string without ':'")
-        elif not isinstance(hashed, str) or not _BCRYPT.fullmatch(hashed):
+        elif not isinstance(hashed, str) or not (m := _BCRYPT.fullmatch(hashed)):
             # The value is a secret: never quoted.
-            problems.append(f"{key}: not a bcrypt hash ($2a$, $2b$ or $2y$, cost 04-31, 60 "
-                            "characters; make one with htpasswd -nBC 10 \"\" | tr -d ':\\n')")
+            problems.append(f"{key}: not a bcrypt hash ($2a$, $2b$ or $2y$, cost "
+                            f"{MIN_BCRYPT_COST:02d}-{MAX_BCRYPT_COST}, 60 characters; make one "
+                            "with htpasswd -nBC 10 \"\" | tr -d ':\\n')")
+        elif not MIN_BCRYPT_COST <= int(m.group(1)) <= MAX_BCRYPT_COST:
+            cost = int(m.group(1))
+            took = 0.06 * 2.0 ** (cost - 10)
+            problems.append(f"{key}: bcrypt cost {cost} is outside {MIN_BCRYPT_COST:02d}-"
+                            f"{MAX_BCRYPT_COST}" + (f" (each check would take about "
+                                                    f"{_duration(took)} of CPU)" if
+                                                    cost > MAX_BCRYPT_COST else "")
+                            + "; make one with htpasswd -nBC 10 \"\" | tr -d ':\\n'")
         else:
             out[user] = hashed
     if out:
@@ -349,15 +403,25 @@ def _users(users: dict, problems: list[str]) -> dict[str, str]:
     return out
 
 
+def _duration(s: float) -> str:
+    for unit, n in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if s >= 2 * n:
+            return f"{s / n:.0f} {unit}"
+    return f"{s:.1f} s" if s < 10 else f"{s:.0f} s"
+
+
 # --------------------------------------------------------------------------- basic auth
 
 class BasicAuth:
     """Checks ``Authorization: Basic`` against bcrypt hashes. bcrypt is slow on purpose
     (~60 ms at cost 10), so a verified password is remembered per user as a keyed HMAC
-    and compared in constant time: a scrape after the first costs microseconds. Recently
-    refused credentials are remembered too (bounded), so replaying one wrong password is
-    cheap; bcrypt runs one at a time. An unknown user costs the same bcrypt time as a
-    known one (a decoy hash), so user names cannot be found by timing."""
+    and compared in constant time: a scrape after the first costs microseconds
+    (``cached``), and needs no bcrypt. Recently refused credentials are remembered too
+    (bounded), so replaying one wrong password is cheap. An unknown user costs the same
+    bcrypt time as a known one (it is checked against a real user's hash and refused), so
+    user names cannot be found by timing. Who gets a bcrypt check, and when, is the
+    server's ``_AuthGate``'s business; ``check`` (cached, else bcrypt) is for callers
+    without one."""
 
     MAX_REFUSED = 1024
 
@@ -366,30 +430,46 @@ class BasicAuth:
 
         self._checkpw = bcrypt.checkpw
         self._users = {u.encode(): h.encode() for u, h in users.items()}
-        cost = max((int(h[4:6]) for h in users.values()), default=10)
-        self._decoy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(cost))
+        # The costliest hash stands in for unknown users: the same time, no hashing now
+        # (hashing a decoy at start took the cost's time on the main thread, deaf to
+        # SIGTERM).
+        self._decoy = max(self._users.values(), key=lambda h: h[4:6], default=b"")
         self._key = os.urandom(32)
         self._verified: dict[bytes, bytes] = {}
         self._refused: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._serial = threading.Lock()
 
-    def check(self, authorization: str | None) -> bool:
+    def _tag(self, user: bytes, password: bytes) -> bytes:
+        return hmac.new(self._key, user + b"\0" + password, hashlib.sha256).digest()
+
+    def cached(self, authorization: str | None) -> bool | None:
+        """True: verified before; False: no credentials, malformed, or refused before;
+        None: only bcrypt can tell (``verify``). Microseconds."""
         creds = _basic_credentials(authorization)
         if creds is None:
             return False
-        user, password = creds
-        tag = hmac.new(self._key, user + b"\0" + password, hashlib.sha256).digest()
-        known = self._verified.get(user)
+        tag = self._tag(*creds)
+        known = self._verified.get(creds[0])
         if known is not None and hmac.compare_digest(known, tag):
             return True
         if tag in self._refused:
             return False
+        return None
+
+    def verify(self, authorization: str | None) -> bool:
+        """bcrypt's verdict on the credentials (slow), remembered either way."""
+        creds = _basic_credentials(authorization)
+        if creds is None:
+            return False
+        user, password = creds
         hashed = self._users.get(user)
+        try:
+            ok = self._checkpw(password, hashed or self._decoy) and hashed is not None
+        except ValueError:  # e.g. bcrypt >= 5 refuses passwords over 72 bytes
+            ok = False
+        tag = self._tag(user, password)
         with self._lock:
-            try:
-                ok = self._checkpw(password, hashed or self._decoy) and hashed is not None
-            except ValueError:  # e.g. bcrypt >= 5 refuses passwords over 72 bytes
-                ok = False
             if ok:
                 self._verified[user] = tag
             else:
@@ -397,6 +477,178 @@ class BasicAuth:
                 if len(self._refused) > self.MAX_REFUSED:
                     self._refused.popitem(last=False)
         return ok
+
+    def check(self, authorization: str | None) -> bool:
+        verdict = self.cached(authorization)
+        if verdict is not None:
+            return verdict
+        with self._serial:  # without a gate: one bcrypt at a time
+            return self.verify(authorization)
+
+
+class _AuthGate:
+    """Who gets a bcrypt check of credentials the cache cannot answer, and when; on the
+    server's event loop, except the checks themselves, which one thread runs.
+
+    A good credential never waits behind bad ones: once verified it is answered from the
+    cache, on the event loop, without a check; wrong credentials never hold a worker or an
+    in-flight slot. Checks that fail are what an attacker can send without limit, so:
+
+    - per client address, ``FAIL_BURST`` failures, then one per ``FAIL_EVERY_S`` (a token
+      bucket); a client without tokens, or with as many checks waiting as it has tokens,
+      gets 429 with Retry-After at once, no bcrypt;
+    - checks run on one thread (at most one core), clients that passed a check before
+      first, then the first check of clients without failures, then the others; after a
+      failed check, the next check of a client that has not passed one waits as long
+      again, so failures get at most ``FAIL_SHARE`` of that core;
+    - at most ``MAX_WAITING`` checks wait; a better-placed one evicts the worst (503);
+    - failures are logged once per ``LOG_EVERY_S``, counted: who, how many, how many 429.
+    """
+
+    FAIL_BURST = 5
+    FAIL_EVERY_S = 2.0
+    FAIL_SHARE = 0.5
+    MAX_WAITING = 16
+    MAX_CLIENTS = 4096  # addresses remembered (least recently seen forgotten first)
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, auth: BasicAuth, loop: asyncio.AbstractEventLoop,
+                 clock: Callable[[], float] = time.monotonic):
+        self.auth, self.loop, self.clock = auth, loop, clock
+        # address -> [tokens, when counted, checks waiting]
+        self.clients: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self.good: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.waiting: list[tuple[int, int, str, str | None, Callable[[bool | None], None]]] \
+            = []
+        self._seq = 0
+        self._cool_until = 0.0  # checks of clients not known good wait until then
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._failed = self._limited = 0  # since the last log line
+        self._failed_from: set[str] = set()
+        self._last_log = -math.inf
+        self._thread = threading.Thread(target=self._work, name="gemmd-http-auth",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- on the event loop
+    def _client(self, addr: str) -> list[float]:
+        now = self.clock()
+        c = self.clients.get(addr)
+        if c is None:
+            c = self.clients[addr] = [float(self.FAIL_BURST), now, 0.0]
+            if len(self.clients) > self.MAX_CLIENTS:
+                self.clients.popitem(last=False)
+        else:
+            self.clients.move_to_end(addr)
+            c[0] = min(float(self.FAIL_BURST), c[0] + (now - c[1]) / self.FAIL_EVERY_S)
+            c[1] = now
+        return c
+
+    def submit(self, addr: str, authorization: str | None,
+               done: Callable[[bool | None], None]) -> str | None:
+        """Queue a bcrypt check; ``done(ok)`` runs on the loop later (None: evicted, answer
+        503). Or refuse at once: the status to answer (429 or 503)."""
+        c = self._client(addr)
+        if c[0] - c[2] < 1.0:
+            self._limited += 1
+            self._note_failures()
+            return "429 Too Many Requests"
+        # Known good first; then an address's first check while it has no failures and
+        # nothing waiting (Prometheus after a restart); then everything else.
+        rank = 0 if addr in self.good else (1 if c[0] >= self.FAIL_BURST and not c[2] else 2)
+        with self._cv:
+            if len(self.waiting) >= self.MAX_WAITING:
+                worst = max(self.waiting)
+                if worst[0] <= rank:
+                    return "503 Service Unavailable"
+                self.waiting.remove(worst)
+                self.loop.call_soon(self._finish, worst[2], worst[4], None)
+            self._seq += 1
+            self.waiting.append((rank, self._seq, addr, authorization, done))
+            c[2] += 1
+            self._cv.notify()
+        return None
+
+    def _finish(self, addr: str, done: Callable[[bool | None], None], ok: bool | None
+                ) -> None:
+        c = self._client(addr)
+        c[2] = max(0.0, c[2] - 1)
+        if ok:
+            self.good[addr] = None
+            self.good.move_to_end(addr)
+            if len(self.good) > self.MAX_CLIENTS:
+                self.good.popitem(last=False)
+        elif ok is not None:
+            c[0] = max(0.0, c[0] - 1.0)
+            self.refused(addr)
+        done(ok)
+
+    def refused(self, addr: str) -> None:
+        """A failed attempt (also one answered from the cache): counted for the log."""
+        self._failed += 1
+        if len(self._failed_from) < self.MAX_CLIENTS:
+            self._failed_from.add(addr)
+        self._note_failures()
+
+    def _note_failures(self) -> None:
+        now = self.clock()
+        if not self._failed or now - self._last_log < self.LOG_EVERY_S:
+            return
+        self._last_log = now
+        logger.warning("http: %d failed basic-auth attempt(s) from %d address(es)%s "
+                       "(logged at most once a minute)", self._failed,
+                       len(self._failed_from),
+                       f"; {self._limited} answered 429 (too many failures from one "
+                       f"address: {self.FAIL_BURST}, then one per {self.FAIL_EVERY_S:g} s)"
+                       if self._limited else "")
+        self._failed = self._limited = 0
+        self._failed_from.clear()
+
+    def retry_after(self, addr: str) -> int:
+        c = self.clients.get(addr)
+        if c is None:
+            return 1
+        return max(1, math.ceil((1.0 - (c[0] - c[2])) * self.FAIL_EVERY_S))
+
+    # -- the checking thread
+    def _next(self) -> tuple[int, int, str, str | None, Callable[[bool | None], None]] | None:
+        with self._cv:
+            while not self._stopped:
+                if self.waiting:
+                    best = min(self.waiting)
+                    wait = self._cool_until - time.monotonic() if best[0] else 0.0
+                    if wait <= 0:
+                        self.waiting.remove(best)
+                        return best
+                    self._cv.wait(wait)
+                else:
+                    self._cv.wait()
+            return None
+
+    def _work(self) -> None:
+        while (job := self._next()) is not None:
+            _, _, addr, authorization, done = job
+            t = time.monotonic()
+            try:
+                ok = self.auth.verify(authorization)
+            except Exception as e:  # noqa: BLE001 - a refusal, never a dead thread
+                logger.error("http: basic-auth check failed: %s", e)
+                ok = False
+            if not ok:
+                took = time.monotonic() - t
+                with self._cv:
+                    self._cool_until = time.monotonic() + took * (1 / self.FAIL_SHARE - 1)
+            try:
+                self.loop.call_soon_threadsafe(self._finish, addr, done, ok)
+            except RuntimeError:  # the loop is closed: the server stopped
+                return
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self.waiting.clear()
+            self._cv.notify_all()
 
 
 def _basic_credentials(header: str | None) -> tuple[bytes, bytes] | None:
@@ -434,11 +686,15 @@ def gzip_wanted(accept_encoding: str | None) -> bool:
 
 
 def app(exposition: Exposition, *, ready: Callable[[], bool] | None = None,
-        web_config: WebConfig | None = None):
-    """The WSGI application serving ``exposition``: /metrics, /, /-/healthy, /-/ready.
-    With ``web_config.users``, everything but the health endpoints needs basic auth."""
-    auth = BasicAuth(web_config.users) if web_config is not None and web_config.users \
-        else None
+        web_config: WebConfig | None = None, auth: BasicAuth | None = None):
+    """The WSGI application serving ``exposition``: /metrics, /, /-/healthy, /-/ready, and
+    the runbook (/runbook, /runbook.md). With ``web_config.users``, everything but the
+    health endpoints and the runbook needs basic auth
+    (``auth``, or one made from them). The server decides on credentials before a request
+    reaches the app (``environ["gemmd.auth"]``: "ok" or "refused"); without that verdict
+    the app checks them itself."""
+    if auth is None and web_config is not None and web_config.users:
+        auth = BasicAuth(web_config.users)
     extra = list(web_config.headers) if web_config is not None else []
 
     def wsgi(environ: dict, start_response) -> list[bytes]:
@@ -457,7 +713,17 @@ def app(exposition: Exposition, *, ready: Callable[[], bool] | None = None,
             if _is_ready(ready):
                 return respond("200 OK", [TEXT], b"gemmd is ready.\n")
             return respond("503 Service Unavailable", [TEXT], b"gemmd is not ready.\n")
-        if auth is not None and not auth.check(environ.get("HTTP_AUTHORIZATION")):
+        if path in RUNBOOK_PATHS:
+            from gemmd.exporter import runbook
+
+            if path == "/runbook":
+                return respond("200 OK", [("Content-Type", "text/html; charset=utf-8")],
+                               runbook.page())
+            return respond("200 OK", [("Content-Type", "text/markdown; charset=utf-8")],
+                           runbook.source())
+        verdict = environ.get("gemmd.auth")
+        if auth is not None and verdict != "ok" and (
+                verdict == "refused" or not auth.check(environ.get("HTTP_AUTHORIZATION"))):
             return respond("401 Unauthorized", [("WWW-Authenticate", REALM), TEXT],
                            b"Unauthorized\n")
         if path == "/metrics":
@@ -470,7 +736,9 @@ def app(exposition: Exposition, *, ready: Callable[[], bool] | None = None,
         if path == "/":
             return respond("200 OK", [("Content-Type", "text/html; charset=utf-8")],
                            b"<html><head><title>gemmd</title></head><body><h1>gemmd</h1>"
-                           b"<p><a href='/metrics'>/metrics</a></p></body></html>\n")
+                           b"<p><a href='/metrics'>/metrics</a></p>"
+                           b"<p><a href='/runbook'>/runbook</a>: what each alert means and "
+                           b"what to do</p></body></html>\n")
         return respond("404 Not Found", [TEXT], b"not found; metrics are at /metrics\n")
     return wsgi
 
@@ -529,65 +797,66 @@ class _BadRequest(Exception):
         self.status = status
 
 
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_VERSION = re.compile(rb"HTTP/(\d+)\.(\d+)")
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
+# The request line as RFC 9112 (3) writes it, checked as soon as it has arrived so that
+# garbage (TLS to the plain port, a scanner) is answered without waiting for a head that
+# never ends; h11 parses the whole request after. A version other than 1.x: 505.
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ [\x21-\x7e]+ HTTP/(\d+)\.\d+\r?")
+_TOKEN_START = re.compile(rb"[\r\n!#$%&'*+\-.^_`|~0-9A-Za-z]")
+# absolute-form (RFC 9112 3.2.2; RFC 3986 3.2): scheme, authority (userinfo, a host name,
+# IPv4 address or bracketed IPv6 literal, port), path, query
+_AUTHORITY = (rb"(?:[\w\-.~%!$&'()*+,;=:]*@)?(?:\[[0-9A-Fa-f:.]+\]|[\w\-.~%!$&'()*+,;=]*)"
+              rb"(?::[0-9]*)?")
+_ABSOLUTE = re.compile(rb"https?://" + _AUTHORITY + rb"(/[^?#]*)?(?:\?([^#]*))?",
+                       re.IGNORECASE)
+_STATUS = {400: "400 Bad Request", 413: "413 Content Too Large",
+           414: "414 URI Too Long", 431: "431 Request Header Fields Too Large",
+           501: "501 Not Implemented", 505: "505 HTTP Version Not Supported"}
 
 
-def _request_line(line: bytes) -> tuple[str, str, str, str]:
-    """(method, path, query, version) of a request line; _BadRequest if it is not one."""
-    parts = line.rstrip(b"\r\n").split(b" ")
-    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not parts[1]:
-        raise _BadRequest("400 Bad Request", "malformed request line")
-    method, target, version = parts
-    m = _VERSION.fullmatch(version)
-    if not m:
-        raise _BadRequest("400 Bad Request", "malformed HTTP version")
+def _check_request_line(line: bytes) -> None:
+    """_BadRequest unless ``line`` (without its LF) is an HTTP/1.x request line."""
+    m = _REQUEST_LINE.fullmatch(line)
+    if m is None:
+        raise _BadRequest(_STATUS[400], "malformed request line")
     if m.group(1) != b"1":
-        raise _BadRequest("505 HTTP Version Not Supported")
-    if any(c <= 0x20 or c >= 0x7F for c in target):
-        raise _BadRequest("400 Bad Request", "invalid request target")
+        raise _BadRequest(_STATUS[505])
+
+
+def _target(target: bytes) -> tuple[str, str]:
+    """(path, query) of a request target in origin or absolute form; _BadRequest for
+    anything else (asterisk and authority forms are not for this server)."""
     if target.startswith(b"/"):
         path, _, query = target.partition(b"?")
-    elif target.lower().startswith((b"http://", b"https://")):  # absolute-form
-        u = urlsplit(target)
-        path, query = u.path or b"/", u.query
     else:
-        raise _BadRequest("400 Bad Request", "invalid request target")
-    return (method.decode("ascii"), unquote_to_bytes(path).decode("latin-1"),
-            query.decode("latin-1"), version.decode("ascii"))
-
-
-def _headers_of(lines: list[bytes]) -> dict[str, str]:
-    if len(lines) > MAX_HEADERS:
-        raise _BadRequest("431 Request Header Fields Too Large")
-    out: dict[str, str] = {}
-    for line in lines:
-        name, sep, value = line.rstrip(b"\r\n").partition(b":")
-        if not sep or not _TOKEN.fullmatch(name):  # also refuses obsolete line folding
-            raise _BadRequest("400 Bad Request", "malformed header")
-        key = name.decode("ascii").lower()
-        v = value.strip(b" \t").decode("latin-1")
-        out[key] = f"{out[key]}, {v}" if key in out else v
-    return out
+        m = _ABSOLUTE.fullmatch(target)
+        if m is None:
+            raise _BadRequest(_STATUS[400], "invalid request target")
+        path, query = m.group(1) or b"/", m.group(2) or b""
+    return unquote_to_bytes(path).decode("latin-1"), query.decode("latin-1")
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: (TLS handshake,) request head, one response, close."""
+    """One client connection: (TLS handshake,) one request parsed by h11, one response,
+    close. gemmd keeps the connection management: timeouts, limits, the answers to bad
+    requests."""
 
     def __init__(self, server: _Server, sock: socket.socket):
         self.srv = server
         self.loop = server.loop
         self.sock = sock  # until the transport exists, aborting means shutting this down
         self.transport: Any = None
-        self.buf = bytearray()
+        self.parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self.started = False  # a byte other than the empty lines before a request came
+        self.first = bytearray()  # the request line until its LF has arrived
         self.line_checked = False
+        self.received = 0  # bytes of the head so far (empty lines before it included)
         # (method, path, query, version, headers) once the request head is read
         self.head: tuple[str, str, str, str, dict[str, str]] | None = None
-        self.need = 0  # bytes of body still to come
+        self.body = 0  # bytes of body read (and ignored)
+        self.done = False  # the whole request is in: what follows is ignored
         self.timer: asyncio.TimerHandle | None = None
         self.job: asyncio.Future | None = None
-        self.counted = False
+        self.counted = False  # holds an in-flight slot
         self.closed = False
         self.tls = False
 
@@ -628,13 +897,20 @@ class _Connection(asyncio.Protocol):
             self.srv.release(self)
 
     def eof_received(self) -> bool:
-        # A half-close after a complete request still gets its answer (not over TLS).
-        return self.head is not None and not self.tls
+        # A half-close after a complete request still gets its answer, one in the middle
+        # of a request a 400 (not over TLS: a TLS transport cannot write after EOF).
+        if self.tls:
+            return False
+        if not self.done and self.received:
+            self.done = True
+            self.srv.waiting.pop(self, None)
+            self.reply(_canned(_STATUS[400], self.srv.extra))
+        return self.done  # False: closed at once (nothing was asked)
 
     def timed_out(self) -> None:
         if self.closed:
             return
-        if self.head is None and self.buf and self.transport is not None:
+        if not self.done and self.received and self.transport is not None:
             self.reply(_canned("408 Request Timeout", self.srv.extra))
         else:
             self.abort()
@@ -655,61 +931,87 @@ class _Connection(asyncio.Protocol):
             return "?"
         return f"{p[0]}:{p[1]}"
 
+    def address(self) -> str:
+        """The client's address, the unit of rate limits."""
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        return str(peer[0]) if peer else "?"
+
     # -- reading the request
     def data_received(self, data: bytes) -> None:
-        if self.head is not None and self.need <= 0:
+        if self.done:
             return  # after the request: ignored (the connection closes after the answer)
         try:
             self.parse(data)
-        except _BadRequest as e:
-            logger.debug("http: %s from %s: %s", e.status, self.peer(), e)
+        except (_BadRequest, h11.RemoteProtocolError) as e:
+            status = e.status if isinstance(e, _BadRequest) else \
+                _STATUS.get(e.error_status_hint, _STATUS[400])
+            logger.debug("http: %s from %s: %s", status, self.peer(), e)
+            self.done = True
             self.srv.waiting.pop(self, None)
-            self.reply(_canned(e.status, self.srv.extra))
+            self.reply(_canned(status, self.srv.extra))
 
     def parse(self, data: bytes) -> None:
-        if self.head is not None:  # a body being read, then ignored
-            self.need -= len(data)
-            if self.need <= 0:
-                self.dispatch()
-            return
-        start = max(0, len(self.buf) - 3)
-        self.buf += data
-        if not self.line_checked and self.buf[:1] in (b"\r", b"\n"):
-            # Empty lines before the request line are allowed (RFC 9112, 2.2).
-            del self.buf[:len(self.buf) - len(self.buf.lstrip(b"\r\n"))]
-            start = 0
-        if not self.line_checked:
-            eol = self.buf.find(b"\n")
-            if eol < 0:
-                if len(self.buf) > MAX_HEAD:
-                    raise _BadRequest("414 URI Too Long")
+        if not self.started:  # empty lines before the request line are allowed (RFC 9112 2.2)
+            self.received += len(data)
+            data = data.lstrip(b"\r\n")
+            if not data:
+                if self.received > MAX_HEAD:
+                    raise _BadRequest(_STATUS[400], "only empty lines")
                 return
-            if eol > MAX_HEAD:
-                raise _BadRequest("414 URI Too Long")
-            _request_line(bytes(self.buf[:eol + 1]))  # garbage is answered at once
-            self.line_checked = True
-        m = _HEAD_END.search(self.buf, start)
-        if m is None:
-            if len(self.buf) > MAX_HEAD:
-                raise _BadRequest("431 Request Header Fields Too Large")
-            return
-        if m.start() > MAX_HEAD:
-            raise _BadRequest("431 Request Header Fields Too Large")
-        lines = bytes(self.buf[:m.start()]).split(b"\n")
-        method, path, query, version = _request_line(lines[0] + b"\n")
-        headers = _headers_of(lines[1:])
+            self.started = True
+            if not _TOKEN_START.match(data):  # TLS to the plain port, a binary protocol
+                raise _BadRequest(_STATUS[400], "not an HTTP request")
+        else:
+            self.received += len(data)
+        if not self.line_checked:
+            self.first += data[:MAX_HEAD + 1 - len(self.first)]
+            eol = self.first.find(b"\n")
+            if eol < 0:
+                if len(self.first) > MAX_HEAD:
+                    raise _BadRequest(_STATUS[414])
+            else:
+                if eol > MAX_HEAD:
+                    raise _BadRequest(_STATUS[414])
+                _check_request_line(bytes(self.first[:eol]))  # garbage is answered at once
+                self.line_checked = True
+                self.first.clear()
+        self.parser.receive_data(data)
+        while not self.done:
+            event = self.parser.next_event()
+            if event is h11.NEED_DATA:
+                return
+            if isinstance(event, h11.Request):
+                self.request(event)
+            elif isinstance(event, h11.Data):
+                self.body += len(event.data)
+                if self.body > MAX_BODY:
+                    raise _BadRequest(_STATUS[413])
+            elif isinstance(event, h11.EndOfMessage):
+                self.done = True
+                self.srv.dispatch(self)
+            else:  # ConnectionClosed, PAUSED: nothing more to read
+                return
+
+    def request(self, req: h11.Request) -> None:
+        # h11 bounds only a head that arrives in pieces; one that came whole is bounded here
+        if self.received - len(self.parser.trailing_data[0]) > MAX_HEAD:
+            raise _BadRequest(_STATUS[431])
+        if not req.http_version.startswith(b"1."):  # h11 takes any d.d
+            raise _BadRequest(_STATUS[505])
+        if len(req.headers) > MAX_HEADERS:
+            raise _BadRequest(_STATUS[431])
+        headers: dict[str, str] = {}
+        for name, value in req.headers:
+            key, v = name.decode("ascii"), value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {v}" if key in headers else v
         if "transfer-encoding" in headers:
-            raise _BadRequest("501 Not Implemented", "Transfer-Encoding is not supported")
-        length = headers.get("content-length", "0")
-        if not length.isdigit():
-            raise _BadRequest("400 Bad Request", "invalid Content-Length")
-        if int(length) > MAX_BODY:
-            raise _BadRequest("413 Content Too Large")
-        self.head = (method, path, query, version, headers)
-        self.need = int(length) - (len(self.buf) - m.end())
-        self.buf.clear()
-        if self.need <= 0:
-            self.dispatch()
+            raise _BadRequest(_STATUS[501], "Transfer-Encoding is not supported")
+        length = headers.get("content-length", "0")  # h11: digits, one value
+        if len(length) > 18 or int(length) > MAX_BODY:
+            raise _BadRequest(_STATUS[413])
+        path, query = _target(req.target)
+        self.head = (req.method.decode("ascii"), path, query,
+                     "HTTP/" + req.http_version.decode("ascii"), headers)
 
     # -- answering
     def environ(self) -> dict:
@@ -727,27 +1029,6 @@ class _Connection(asyncio.Protocol):
             if k not in ("content-length", "content-type"):
                 env["HTTP_" + k.upper().replace("-", "_")] = v
         return env
-
-    def dispatch(self) -> None:
-        self.srv.waiting.pop(self, None)
-        if self.timer is not None:
-            self.timer.cancel()
-        # Reading goes on (what follows the request is discarded): a paused TLS transport
-        # would never see the client's close_notify and linger until write_timeout.
-        env = self.environ()
-        if env["PATH_INFO"] in HEALTH_PATHS:  # cheap: answered here, never queued
-            self.reply(_run_wsgi(self.srv.wsgi, env))
-        elif self.srv.inflight >= self.srv.max_inflight:
-            self.srv.note("busy", "http: %d requests in flight (the limit): answering 503",
-                          self.srv.inflight)
-            self.reply(_canned("503 Service Unavailable",
-                               [("Retry-After", "1"), *self.srv.extra]))
-        else:
-            self.srv.inflight += 1
-            self.counted = True
-            self.job = self.loop.run_in_executor(self.srv.pool, _run_wsgi, self.srv.wsgi, env)
-            self.job.add_done_callback(self.rendered)
-            self.srv.track(self.job)
 
     def rendered(self, job: asyncio.Future) -> None:
         if self.closed or job.cancelled():
@@ -800,6 +1081,9 @@ class _TLS:
             sig = self._signature()
             if sig != self._sig and sig != self._failed:
                 try:
+                    for f in self.settings.files():  # a FIFO put there would block the loop
+                        if (problem := unreadable(f)) is not None:
+                            raise OSError(f"{f}: {problem}")
                     self._ctx, self._sig, self._failed = self.settings.context(), sig, None
                     logger.info("http: TLS certificate files changed: reloaded")
                 except (OSError, ssl.SSLError, ValueError) as e:
@@ -828,15 +1112,17 @@ class _Server:
 
     def __init__(self, wsgi: Callable, sock: socket.socket, *, tls: _TLS | None,
                  extra: list[tuple[str, str]], read_timeout: float, write_timeout: float,
-                 max_connections: int, max_inflight: int, workers: int):
+                 max_connections: int, max_inflight: int, workers: int,
+                 auth: BasicAuth | None = None):
         self.wsgi, self.socket, self.tls, self.extra = wsgi, sock, tls, extra
+        self.scheme = "https" if tls is not None else "http"  # what is served, for the log
         self.server_address = sock.getsockname()
         self.server_port = self.server_address[1]
         self.read_timeout, self.write_timeout = read_timeout, write_timeout
         self.max_connections, self.max_inflight = max_connections, max_inflight
         self.conns: dict[_Connection, None] = {}
         self.waiting: dict[_Connection, None] = {}  # no complete request yet, oldest first
-        self.inflight = 0
+        self.inflight = 0  # requests handed to the worker threads, until written
         self.tasks: set[asyncio.Future] = set()  # handshakes and renders under way
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, "gemmd-http")
         self._noted: dict[str, float] = {}
@@ -844,6 +1130,7 @@ class _Server:
         self._stopped = False
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(self._loop_error)
+        self.gate = _AuthGate(auth, self.loop) if auth is not None else None
         self.loop.add_reader(sock.fileno(), self._accept)
         self._thread = threading.Thread(target=self.loop.run_forever, name="gemmd-http",
                                         daemon=True)
@@ -919,6 +1206,75 @@ class _Server:
             conn.counted = False
             self.inflight -= 1
 
+    # -- answering (event loop thread)
+    def dispatch(self, conn: _Connection) -> None:
+        """A whole request is in: answer it. Health endpoints, other methods and refused
+        credentials are answered here; the rest by the worker threads (``render``).
+        Credentials the cache cannot answer wait for the auth gate's bcrypt thread, never
+        for a worker or an in-flight slot."""
+        self.waiting.pop(conn, None)
+        if conn.timer is not None:
+            conn.timer.cancel()
+        # Reading goes on (what follows the request is discarded): a paused TLS transport
+        # would never see the client's close_notify and linger until write_timeout.
+        env = conn.environ()
+        path = env["PATH_INFO"]
+        if path in HEALTH_PATHS or env["REQUEST_METHOD"] not in ("GET", "HEAD"):
+            conn.reply(_run_wsgi(self.wsgi, env))  # cheap: answered here, never queued
+            return
+        if self.gate is not None and path not in RUNBOOK_PATHS:
+            header = env.get("HTTP_AUTHORIZATION")
+            verdict = self.gate.auth.cached(header)
+            if verdict is None:
+                self._verify(conn, env, header)
+                return
+            if not verdict:
+                if header:
+                    self.gate.refused(conn.address())
+                env["gemmd.auth"] = "refused"
+                conn.reply(_run_wsgi(self.wsgi, env))
+                return
+            env["gemmd.auth"] = "ok"
+        self.render(conn, env)
+
+    def _verify(self, conn: _Connection, env: dict, header: str | None) -> None:
+        assert self.gate is not None
+        addr = conn.address()
+
+        def done(ok: bool | None) -> None:
+            if conn.closed:
+                return
+            if ok is None:
+                self.note("auth-busy", "http: too many basic-auth checks waiting: answering "
+                          "503")
+                conn.reply(_canned("503 Service Unavailable",
+                                   [("Retry-After", "1"), *self.extra]))
+                return
+            env["gemmd.auth"] = "ok" if ok else "refused"
+            if ok:
+                self.render(conn, env)
+            else:
+                conn.reply(_run_wsgi(self.wsgi, env))
+
+        refusal = self.gate.submit(addr, header, done)
+        if refusal is not None:
+            retry = self.gate.retry_after(addr) if refusal.startswith("429") else 1
+            conn.reply(_canned(refusal, [("Retry-After", str(retry)), *self.extra]))
+
+    def render(self, conn: _Connection, env: dict) -> None:
+        """Hand the request to a worker thread; 503 at once while ``max_inflight``
+        responses are being made or written."""
+        if self.inflight >= self.max_inflight:
+            self.note("busy", "http: %d requests in flight (the limit): answering 503",
+                      self.inflight)
+            conn.reply(_canned("503 Service Unavailable", [("Retry-After", "1"), *self.extra]))
+            return
+        self.inflight += 1
+        conn.counted = True
+        conn.job = self.loop.run_in_executor(self.pool, _run_wsgi, self.wsgi, env)
+        conn.job.add_done_callback(conn.rendered)
+        self.track(conn.job)
+
     def track(self, task: asyncio.Future) -> None:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -936,6 +1292,8 @@ class _Server:
     # -- stopping (any thread)
     async def _stop(self) -> None:
         self.loop.remove_reader(self.socket.fileno())
+        if self.gate is not None:
+            self.gate.stop()
         for conn in list(self.conns):
             conn.abort()
             conn.connection_lost(None)
@@ -1002,11 +1360,13 @@ def serve(exposition: Exposition, address: str, port: int, *,
         sock.listen(BACKLOG)
         sock.setblocking(False)
         tls = _TLS(web_config.tls) if web_config is not None and web_config.tls else None
-        return _Server(app(exposition, ready=ready, web_config=web_config), sock, tls=tls,
-                       extra=list(web_config.headers) if web_config is not None else [],
-                       read_timeout=read_timeout, write_timeout=write_timeout,
+        auth = BasicAuth(web_config.users) if web_config is not None and web_config.users \
+            else None
+        return _Server(app(exposition, ready=ready, web_config=web_config, auth=auth), sock,
+                       tls=tls, extra=list(web_config.headers) if web_config is not None
+                       else [], read_timeout=read_timeout, write_timeout=write_timeout,
                        max_connections=max_connections or _max_connections(),
-                       max_inflight=max_inflight, workers=workers)
+                       max_inflight=max_inflight, workers=workers, auth=auth)
     except BaseException:
         sock.close()
         raise
