@@ -8,24 +8,24 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
   scale from out-of-bag residuals, widening outside the domain), for predictions on the
   model's own GPU (random and unseen-shape splits), on a GPU left out of training, and on
   a dtype/kernel left out of a GPU's training data;
-- **transfer**: for every ordered pair of GPUs (source -> target) and for all other GPUs
-  -> target: error and coverage on the target's held-out shapes (whole (M, N, K) held
-  out, a quarter of its rows, at most 1,500) with 0, 5, 20, 50 and 200 probes of the
-  target (random rows of the rest), for the roofline estimate
-  (model.roofline_efficiency), gemmd's forest fitted on the target's probes alone, the
-  transfer model's few-probe trees on the probes alone, and the transfer model
-  (gemmd.model.TransferModel: the source model carried over by the probes); and the error
-  gemmd's forest reaches with all of the target's data but the held-out shapes.
+- **transfer** (leave one GPU out): a prior fitted on the other GPUs (``--pairs``: also
+  on each other GPU alone), saved, loaded and judged on the left-out GPU by the code of
+  ``gemmd evaluate --model FILE --calibrate-rows N --seeds S`` (evaluate.evaluate_model):
+  as it is (0 rows) and carried over by 5, 20, 50, 200 rows of the GPU (one per shape,
+  drawn at random; the other shapes judged), the mean of S draws: runtime MAPE, coverage
+  of the 90% interval, share in domain, and the share of predictions below the roofline
+  at the catalogued peaks (none allowed); beside it the roofline estimate
+  (model.roofline_efficiency) and gemmd's forest on the GPU's own data, unseen shapes.
 
-    python bench/transfer.py [--data ../shared/data] [--probes 0,5,20,50,200] [--seeds 2]
-                             [--trees 50] [--coverage-only | --transfer-only]
-                             [--json out.json] [--markdown]
+    python bench/transfer.py [--data ../shared/data] [--probes 0,5,20,50,200] [--seeds 3]
+                             [--trees 50] [--pairs] [--caps rtx4070=2000,...]
+                             [--coverage-only | --transfer-only] [--json out.json]
+                             [--markdown]
 
-Targets (issue 14; figures, not assertions), printed per pair as met/missed: (a) at 0
-probes never worse than the roofline; (b) with 20 probes within 1.5x of the error with
-all of the target's data; (c) other GPUs' data never worse than the target's probes alone
-(gemmd's forest on them; stricter: the few-probe trees on them); coverage near 90% in
-and off the domain.
+Targets (issue 25; figures, not assertions): no prediction faster than physics;
+uncalibrated transfer no worse than the roofline on every left-out GPU; with 20 rows
+<= 10% where the GPU's own data give <= 5%; 5 rows never worse than 0; coverage 85-95%
+at every row count.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gemmd import datasets, evaluate, features
+from gemmd import bounds, datasets, evaluate, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table, concat
 from gemmd.hardware import gpu_model_key
-from gemmd.model import ForestModel, TransferModel, _fit_trees, from_model_space
+from gemmd.model import ForestModel
 
 GPUS = ("rtx4070", "b200", "h100-sxm", "mi355x")
 # Rows per GPU (random subsample; GPPerf's tiled rows are always kept): bounds the run
@@ -134,94 +134,71 @@ def coverage(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
 # ------------------------------------------------------------------ transfer
 
 
-def split_target(t: Table, seed: int = 0) -> tuple[Table, Table]:
-    """(pool, test) of one GPU's rows: whole shapes (M, N, K) held out, about TEST_SHARE
-    of the rows (at most TEST_MAX). Everything is scored on shapes it never saw: the
-    forest on all of the pool ("all target data", the issue's denominator), the forest on
-    the probes alone and the transfer (probes are drawn from the pool)."""
-    groups = evaluate.shape_groups(t)
-    cnt = np.bincount(groups)
-    order = np.random.default_rng(seed).permutation(len(cnt))
-    want = min(TEST_MAX, int(TEST_SHARE * len(t)))
-    take = order[:int(np.searchsorted(np.cumsum(cnt[order]), want)) + 1]
-    test = np.isin(groups, take)
-    return t.take(np.flatnonzero(~test)), t.take(np.flatnonzero(test))
+def physics(model, t: Table) -> dict:
+    """How the model's runtime predictions on ``t`` sit against the roofline at the
+    catalogued peaks: the share below it (none, since issue 25) and the share of the
+    measurements themselves below it."""
+    res = model.predict_table(t)["runtime"]
+    floor = bounds.runtime_floor(t)
+    return {"predicted_below": float(np.mean(res["point"] < floor * (1 - 1e-12))),
+            "lo_below": float(np.mean(res["lo"] < floor * (1 - 1e-12))),
+            "measured_below": float(np.mean(t["runtime_s"] < floor))}
 
 
-def few_alone(probes: Table, test: Table, cfg: ModelConfig) -> dict:
-    """The transfer model's few-probe trees (gemmd.model._fit_trees) on the probes alone,
-    without the other GPUs' data: what of the transfer's gain is the learner's."""
-    trees, _ = _fit_trees(probes, cfg, ["runtime"])["runtime"]
-    y = trees.predict(features.table_matrix(test).astype(np.float32))
-    return {"runtime": {"point": from_model_space("runtime", test, y)}}
-
-
-def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: int) -> dict:
-    icfg = ModelConfig(**{**cfg.__dict__, "min_samples": 2})
+def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: int,
+             pairs: bool = False, tmp: Path | None = None) -> dict:
+    """Leave one GPU out: a prior fitted on the other GPUs (and with ``pairs``, on each
+    other GPU alone), saved and judged on the left-out GPU through gemmd evaluate
+    --model's own code (evaluate.evaluate_model): as it is and carried over by N rows of
+    the GPU (one per shape, drawn at random; the other shapes judged), mean of ``seeds``
+    draws. Beside it the roofline estimate on the same rows and gemmd's forest fitted on
+    the GPU's own data, judged on unseen shapes (evaluate's shape split)."""
     out: dict = {"full": {}, "roofline": {}, "pairs": []}
-    pools, tests = {}, {}
     for g, t in G.items():
-        pools[g], tests[g] = split_target(t)
-        t0 = time.perf_counter()
-        full = ForestModel.fit_table(pools[g], icfg)
-        out["full"][g] = {**scores(full.predict_table(tests[g]), tests[g]),
-                          "fit_s": time.perf_counter() - t0, "rows": len(pools[g]),
-                          "test_rows": len(tests[g])}
-        roof = features.roofline(tests[g]) / cfg.roofline_efficiency
-        a = ape(roof, tests[g]["runtime_s"])
+        full = evaluate.evaluate(t, splits=("shape",), baseline=False, cfg=cfg)
+        out["full"][g] = full["splits"]["shape"]["gemmd"]["targets"]["runtime"]
+        roof = features.roofline(t) / cfg.roofline_efficiency
+        a = ape(roof, t["runtime_s"])
         out["roofline"][g] = {"mape": float(a.mean()), "median_ape": float(np.median(a))}
-    sources = {g: [g] for g in G}
-    sources.update({f"others->{g}": [h for h in G if h != g] for g in G})
-    own_cache: dict[tuple, tuple[dict, dict]] = {}
+    sources = {f"others->{g}": [h for h in G if h != g] for g in G}
+    if pairs:
+        sources.update({g: [g] for g in G})
+    tmp = tmp or Path(os.environ.get("TMPDIR", "/tmp"))
     for sname, members in sources.items():
         t0 = time.perf_counter()
-        prior = ForestModel.fit_table(concat([G[h] for h in members]), icfg)
-        print(f"  prior {'+'.join(members)}: {time.perf_counter() - t0:.1f} s",
+        fitted = ForestModel.fit_table(concat([G[h] for h in members]), cfg)
+        fit_s = time.perf_counter() - t0
+        path = tmp / f"transfer-prior-{os.getpid()}-{'+'.join(members)}.skops"
+        fitted.save(path)
+        prior = ForestModel.load(path)  # what gemmd evaluate --model reads
+        path.unlink()
+        logo = prior.meta.get("logo", {}).get("runtime", {})
+        print(f"  prior {'+'.join(members)}: {fit_s:.1f} s, w, a = {logo.get('w')}, "
+              f"{logo.get('a')}, level worth {logo.get('level_n0')} probes",
               file=sys.stderr, flush=True)
         for g in G:
             if g in members or (sname.startswith("others->") and not sname.endswith(g)):
                 continue
-            pool, test = pools[g], tests[g]
-            for n in probes:
-                reps = 1 if n == 0 or n >= len(pool) else seeds
-                acc: dict[str, list[dict]] = {"transfer": [], "own": [], "few": []}
-                fit_s = []
-                for seed in range(reps):
-                    rng = np.random.default_rng(1000 + seed)
-                    idx = np.sort(rng.choice(len(pool), min(n, len(pool)), replace=False))
-                    t1 = time.perf_counter()
-                    if n == 0:
-                        model = prior
-                    else:
-                        model = TransferModel.fit(prior, pool.take(idx), icfg)
-                    fit_s.append(time.perf_counter() - t1)
-                    acc["transfer"].append({**scores(model.predict_table(test), test),
-                                            "choice": getattr(model, "choice", {}).get(
-                                                "runtime", "prior")})
-                    if n >= 5:
-                        key = (g, n, seed)
-                        if key not in own_cache:
-                            own = ForestModel.fit_table(pool.take(idx), icfg)
-                            own_cache[key] = (scores(own.predict_table(test), test),
-                                              scores(few_alone(pool.take(idx), test, icfg),
-                                                     test))
-                        acc["own"].append(own_cache[key][0])
-                        acc["few"].append(own_cache[key][1])
-                rec = {"source": "+".join(members), "target": g, "probes": n, "reps": reps,
-                       "fit_s": float(np.mean(fit_s))}
-                for name, lst in acc.items():
-                    if lst:
-                        rec[name] = {k: float(np.mean([x[k] for x in lst]))
-                                     for k in ("mape", "median_ape", "coverage") if k in lst[0]}
-                rec["choices"] = sorted({x["choice"] for x in acc["transfer"]})
-                out["pairs"].append(rec)
-                own, few = rec.get("own", {}).get("mape"), rec.get("few", {}).get("mape")
-                print(f"  {rec['source']:>24} -> {g:<9} n={n:<4} transfer "
-                      f"{rec['transfer']['mape']:.3f} cov {rec['transfer']['coverage']:.2f}"
-                      f" own {own if own is None else round(own, 3)}"
-                      f" few {few if few is None else round(few, 3)} "
-                      f"roof {out['roofline'][g]['mape']:.3f} full {out['full'][g]['mape']:.3f}"
-                      f" {rec['choices']} {rec['fit_s']:.1f} s", file=sys.stderr, flush=True)
+            t1 = time.perf_counter()
+            res = evaluate.evaluate_model(prior, G[g], cfg=cfg, calibrate_rows=probes,
+                                          seeds=seeds)
+            rec = {"source": "+".join(members), "target": g, "fit_s": fit_s,
+                   "seconds": time.perf_counter() - t1, "logo": logo,
+                   "physics": physics(prior, G[g]), "curve": {}}
+            for name, sp in res["splits"].items():
+                if name == "model":
+                    continue
+                m = sp["gemmd"]["targets"].get("runtime", {})
+                rec["curve"][sp["calibration_rows"]] = {
+                    **{k: m.get(k) for k in ("mape", "median_ape", "p90_ape", "coverage",
+                                             "in_domain")},
+                    "test_rows": sp["test_rows"], "choices": sp["gemmd"].get("choices", [])}
+            out["pairs"].append(rec)
+            line = " ".join(f"{n}: {pct(c['mape'])} cov {pct(c['coverage'])} dom "
+                            f"{pct(c['in_domain'])}" for n, c in rec["curve"].items())
+            print(f"  {rec['source']:>24} -> {g:<9} roof {pct(out['roofline'][g]['mape'])}"
+                  f" full {pct(out['full'][g]['mape'])} | {line} | below roofline "
+                  f"{pct(rec['physics']['predicted_below'])}", file=sys.stderr, flush=True)
     return out
 
 
@@ -244,110 +221,71 @@ def markdown(res: dict) -> str:
         lines.append("")
     if "transfer" in res:
         tr = res["transfer"]
-        probes = sorted({p["probes"] for p in tr["pairs"]})
-        lines += ["Runtime MAPE on the target's held-out shapes: transfer / gemmd's forest on "
-                  "the probes alone / the few-probe trees on the probes alone (coverage of "
-                  "the transfer model's 90% interval)", ""]
+        probes = sorted({n for p in tr["pairs"] for n in p["curve"]})
+        lines += ["Runtime MAPE on the target's other shapes (coverage of the 90% interval, "
+                  "share in domain), mean of the draws; roofline and all target data: the "
+                  "roofline estimate on all its rows, gemmd's forest on its own data judged "
+                  "on unseen shapes", ""]
         lines += ["| source -> target | roofline | all target data | " +
-                  " | ".join(f"{n} probes" for n in probes) + " |",
-                  "|---|---|---|" + "---|" * len(probes)]
-        for (src, dst), cells in by_pair(tr).items():
-            row = [f"{src} -> {dst}", pct(tr["roofline"][dst]["mape"]),
+                  " | ".join(f"{n} rows" for n in probes) + " | below roofline |",
+                  "|---|---|---|" + "---|" * len(probes) + "---|"]
+        for p in tr["pairs"]:
+            dst = p["target"]
+            row = [f"{p['source']} -> {dst}", pct(tr["roofline"][dst]["mape"]),
                    pct(tr["full"][dst]["mape"])]
             for n in probes:
-                c = cells.get(n)
-                if c is None:
-                    row.append("-")
-                    continue
-                cov = pct(c["transfer"].get("coverage"))
-                if "own" in c:
-                    row.append(f"{pct(c['transfer']['mape'])} / {pct(c['own']['mape'])} / "
-                               f"{pct(c['few']['mape'])} ({cov})")
-                else:
-                    row.append(f"{pct(c['transfer']['mape'])} ({cov})")
+                c = p["curve"].get(n)
+                row.append("-" if c is None else f"{pct(c['mape'])} ({pct(c['coverage'])}, "
+                                                 f"{pct(c['in_domain'])})")
+            row.append(f"{pct(p['physics']['predicted_below'])} (measured "
+                       f"{pct(p['physics']['measured_below'])})")
             lines.append("| " + " | ".join(row) + " |")
-        lines += ["", targets_table(tr), "", targets_met(tr)]
-    return "\n".join(lines)
-
-
-def by_pair(tr: dict) -> dict[tuple[str, str], dict[int, dict]]:
-    out: dict[tuple[str, str], dict[int, dict]] = {}
-    for p in tr["pairs"]:
-        out.setdefault((p["source"], p["target"]), {})[p["probes"]] = p
-    return out
-
-
-def checks(tr: dict, src: str, dst: str, cells: dict[int, dict]) -> dict:
-    """The issue's targets for one pair: (a) at 0 probes not worse than the roofline;
-    (b) at 20 probes within 1.5x of the forest on all of the target's data (held-out
-    shapes); (c) at every probe count, not worse than gemmd's forest on the target's probes
-    alone (and, stricter, than the few-probe trees alone)."""
-    out: dict = {}
-    roof, full = tr["roofline"][dst]["mape"], tr["full"][dst]["mape"]
-    if 0 in cells:
-        m = cells[0]["transfer"]["mape"]
-        out["a"] = {"met": m <= roof * (1 + 1e-9), "mape": m, "roofline": roof}
-    if 20 in cells:
-        m = cells[20]["transfer"]["mape"]
-        out["b"] = {"met": m <= 1.5 * full, "ratio": m / full, "mape": m, "full": full}
-    for key, name in (("c", "own"), ("c_few", "few")):
-        worse = [(n, c["transfer"]["mape"], c[name]["mape"]) for n, c in sorted(cells.items())
-                 if name in c and c["transfer"]["mape"] > c[name]["mape"] * (1 + 1e-9)]
-        out[key] = {"met": not worse, "cases": sum(name in c for c in cells.values()),
-                    "worse": worse}
-    return out
-
-
-def targets_table(tr: dict) -> str:
-    lines = ["| source -> target | (a) 0 probes vs roofline | (b) 20 probes / all target "
-             "data | (c) vs forest on the probes alone | (c, stricter) vs few-probe trees "
-             "alone |", "|---|---|---|---|---|"]
-
-    def c_cell(c: dict) -> str:
-        if c["met"]:
-            return f"met ({c['cases']}/{c['cases']})"
-        return (f"missed ({c['cases'] - len(c['worse'])}/{c['cases']}: " + ", ".join(
-            f"{n} probes {pct(a)} vs {pct(b)}" for n, a, b in c["worse"]) + ")")
-
-    for (src, dst), cells in by_pair(tr).items():
-        ck = checks(tr, src, dst, cells)
-        a, b = ck.get("a"), ck.get("b")
-        lines.append(" | ".join([
-            f"| {src} -> {dst}",
-            "-" if a is None else f"{'met' if a['met'] else 'missed'} ({pct(a['mape'])} vs "
-                                  f"{pct(a['roofline'])})",
-            "-" if b is None else f"{'met' if b['met'] else 'missed'} ({b['ratio']:.2f}x: "
-                                  f"{pct(b['mape'])} vs {pct(b['full'])})",
-            c_cell(ck["c"]), c_cell(ck["c_few"])]) + " |")
+        lines += ["", targets_met(tr)]
     return "\n".join(lines)
 
 
 def targets_met(tr: dict) -> str:
-    all_ck = [checks(tr, s, d, c) for (s, d), c in by_pair(tr).items()]
-    a = [c["a"] for c in all_ck if "a" in c]
-    b = [c["b"] for c in all_ck if "b" in c]
-    ratios = [x["ratio"] for x in b]
-    c_cases = sum(c["c"]["cases"] for c in all_ck)
-    c_worse = sum(len(c["c"]["worse"]) for c in all_ck)
-    f_cases = sum(c["c_few"]["cases"] for c in all_ck)
-    f_worse = sum(len(c["c_few"]["worse"]) for c in all_ck)
-    return "\n".join([
-        f"- (a) 0 probes, not worse than the roofline: {sum(x['met'] for x in a)}/{len(a)} "
-        "pairs",
-        f"- (b) 20 probes, within 1.5x of all the target's data (held-out shapes): "
-        f"{sum(x['met'] for x in b)}/{len(b)} pairs"
-        + (f" ({min(ratios):.2f}-{max(ratios):.2f}x)" if ratios else ""),
-        f"- (c) not worse than gemmd's forest on the target's probes alone: "
-        f"{c_cases - c_worse}/{c_cases} (pair, probe count) cases",
-        f"- (c, stricter) not worse than the few-probe trees on the probes alone: "
-        f"{f_cases - f_worse}/{f_cases} cases"])
+    """Issue 25's targets, leave one GPU out (the "others" priors)."""
+    logo = [p for p in tr["pairs"] if "+" in p["source"] or len(tr["full"]) == 2]
+    out = []
+    below = [p for p in tr["pairs"] if p["physics"]["predicted_below"] > 0]
+    out.append(f"- no prediction faster than physics: {len(tr['pairs']) - len(below)}/"
+               f"{len(tr['pairs'])} (source, GPU) cases")
+    a = [(p["target"], p["curve"][0]["mape"], tr["roofline"][p["target"]]["mape"])
+         for p in logo if 0 in p["curve"]]
+    out.append("- uncalibrated transfer <= the roofline's error: "
+               f"{sum(m <= r * (1 + 1e-9) for _, m, r in a)}/{len(a)} held-out GPUs ("
+               + ", ".join(f"{g} {pct(m)} vs {pct(r)}" for g, m, r in a) + ")")
+    b = [(p["target"], p["curve"][20]["mape"], tr["full"][p["target"]]["mape"])
+         for p in logo if 20 in p["curve"]]
+    out.append("- 20 rows <= 10% where all the GPU's own data give <= 5%: " + (", ".join(
+        f"{g} {pct(m)} (own data {pct(f)})" for g, m, f in b if f <= 0.05) or
+        "no GPU of the shared data has <= 5%") + "; elsewhere " + ", ".join(
+        f"{g} {pct(m)} (own {pct(f)})" for g, m, f in b if f > 0.05))
+    c = [(p["target"], p["curve"][5]["mape"], p["curve"][0]["mape"]) for p in logo
+         if 5 in p["curve"] and 0 in p["curve"]]
+    out.append(f"- 5 rows never worse than 0: {sum(m5 <= m0 * (1 + 1e-9) for _, m5, m0 in c)}"
+               f"/{len(c)} (" + ", ".join(f"{g} {pct(m5)} vs {pct(m0)}" for g, m5, m0 in c)
+               + ")")
+    cov = [(p["target"], n, c["coverage"]) for p in logo for n, c in p["curve"].items()
+           if c.get("coverage") is not None]
+    ok = [x for x in cov if 0.85 <= x[2] <= 0.95]
+    out.append(f"- coverage 85-95% at every n: {len(ok)}/{len(cov)} (GPU, rows) cases; "
+               "outside: " + (", ".join(f"{g} at {n}: {pct(v)}" for g, n, v in cov
+                                        if not 0.85 <= v <= 0.95) or "none"))
+    return "\n".join(out)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=datasets.shared_data_dir())
-    ap.add_argument("--probes", default="0,5,20,50,200")
-    ap.add_argument("--seeds", type=int, default=2, help="probe draws per count (mean)")
+    ap.add_argument("--probes", default="0,5,20,50,200",
+                    help="rows of the left-out GPU to calibrate on (evaluate --calibrate-rows)")
+    ap.add_argument("--seeds", type=int, default=3, help="draws per count (mean)")
+    ap.add_argument("--pairs", action="store_true",
+                    help="also each single other GPU as the prior")
+    ap.add_argument("--caps", default="",
+                    help="rows per GPU, e.g. rtx4070=2000,b200=3000 (default: CAPS)")
     ap.add_argument("--trees", type=int, default=50, help="trees per forest (default 50)")
     ap.add_argument("--coverage-only", action="store_true")
     ap.add_argument("--transfer-only", action="store_true")
@@ -360,13 +298,16 @@ def main() -> int:
         return 0
     cfg = ModelConfig(min_samples=2, n_estimators=args.trees)
     t0, load0 = time.time(), os.getloadavg()[0]
+    for kv in filter(None, args.caps.split(",")):
+        k, v = kv.split("=")
+        CAPS[k] = int(v)
     G = per_gpu(args.data)
     res: dict = {"rows": {g: len(t) for g, t in G.items()}, "trees": args.trees}
     if not args.transfer_only:
         res["coverage"] = coverage(G, cfg)
     if not args.coverage_only:
         res["transfer"] = transfer(G, cfg, [int(x) for x in args.probes.split(",") if x],
-                                   args.seeds)
+                                   args.seeds, args.pairs)
     res["machine"] = {"cpu": platform.processor() or platform.machine(),
                       "cores": os.cpu_count(), "python": platform.python_version(),
                       "load_start": load0, "load_end": os.getloadavg()[0],

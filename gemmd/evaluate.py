@@ -218,6 +218,121 @@ def evaluate(t: Table, *, splits: Sequence[str] = SPLITS, baseline: bool = True,
     return out
 
 
+# ------------------------------------------------------------------ a fitted model
+
+
+CALIBRATION_SHAPES = 0.75  # the most of a table's shapes calibration rows are drawn from
+
+
+def calibration_split(t: Table, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(calibration, test) row indices with no shape (M, N, K) on both sides: ``rows``
+    rows drawn at random as a new GPU's first probes, one per shape (shapes in the order
+    a random permutation of the rows reaches them, so drawn as often as the data hold
+    them, a random row of each), from at most CALIBRATION_SHAPES of the shapes (then a
+    second row of each, and so on); the test set is every row of the other shapes."""
+    if rows < 0:
+        raise InputError(f"--calibrate-rows {rows}: give 0 or more rows")
+    groups = shape_groups(t)
+    n_shapes = int(groups.max()) + 1 if len(t) else 0
+    rng = np.random.default_rng(seed)
+    take = min(rows, int(CALIBRATION_SHAPES * n_shapes))
+    uniq, firsts = np.unique(groups[rng.permutation(len(t))], return_index=True)
+    chosen = uniq[np.argsort(firsts)][:take]
+    pool = np.flatnonzero(np.isin(groups, chosen))
+    if len(pool) < rows or n_shapes - take < 1:
+        raise InputError(f"--calibrate-rows {rows}: too many for the data ({len(t):,} "
+                         f"rows, {n_shapes:,} shapes): calibration rows come from at most "
+                         f"{100 * CALIBRATION_SHAPES:.0f}% of the shapes, the others are "
+                         "the test")
+    rank = np.empty(n_shapes, dtype=np.int64)
+    rank[chosen] = np.arange(take)
+    rnd = rng.permutation(len(pool))  # a random row of each shape first, then another
+    within = np.empty(len(pool), dtype=np.int64)
+    order = np.lexsort((rnd, rank[groups[pool]]))
+    g_sorted = groups[pool][order]
+    starts = np.r_[0, np.flatnonzero(g_sorted[1:] != g_sorted[:-1]) + 1]
+    counts = np.diff(np.r_[starts, len(order)])
+    within[order] = np.arange(len(order)) - np.repeat(starts, counts)
+    cal = np.sort(pool[np.lexsort((rank[groups[pool]], within))[:rows]])
+    test = np.flatnonzero(~np.isin(groups, chosen))
+    return cal, test
+
+
+def evaluate_model(model: Any, t: Table, *, cfg: ModelConfig | None = None,
+                   calibrate: Table | None = None, calibrate_rows: Sequence[int] = (),
+                   seeds: int = 1, progress: Callable[[int], None] | None = None
+                   ) -> dict[str, Any]:
+    """A fitted model judged on ``t`` without refitting it: as it is ("model"), carried
+    over by the rows of ``calibrate`` (a new GPU's first probes, TransferModel), and for
+    each N of ``calibrate_rows`` carried over by N rows of ``t`` itself, drawn by whole
+    shapes (calibration_split) and judged on the other shapes, the figures averaged over
+    ``seeds`` draws. The same metrics as evaluate() (MAPE, median and p90 APE, R²,
+    coverage, share in domain) under "splits"."""
+    from gemmd.model import ForestModel, TransferModel
+
+    cfg = cfg or ModelConfig(min_samples=2)
+    prior = model.prior if isinstance(model, TransferModel) else model
+    out: dict[str, Any] = {"rows": len(t), "shapes": int(len(np.unique(shape_groups(t)))),
+                           "measured": {tg: int(np.isfinite(t[COLUMN[tg]]).sum())
+                                        for tg in TARGETS},
+                           "model": getattr(model, "version", "?"), "seeds": seeds,
+                           "noise_floor": noise_floor(t), "splits": {}}
+
+    def judge(m: Any, te: Table) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        pred = m.predict_table(te)
+        return {"predict_s": time.perf_counter() - t0, "targets": score(te, pred)}
+
+    out["splits"]["model"] = {"test_rows": len(t), "gemmd": judge(model, t)}
+    if progress:
+        progress(1)
+    if calibrate is not None:
+        if not isinstance(prior, ForestModel):
+            raise ModelError("calibration carries a fitted model over to a device; this "
+                             "model is not one")
+        t0 = time.perf_counter()
+        tm = TransferModel.fit(prior, calibrate, cfg)
+        res = judge(tm, t)
+        res["fit_s"] = time.perf_counter() - t0
+        out["splits"][f"calibrated on {len(calibrate):,} rows"] = {
+            "test_rows": len(t), "calibration_rows": len(calibrate), "gemmd": res}
+        if progress:
+            progress(1)
+    for n in calibrate_rows:
+        if not isinstance(prior, ForestModel):
+            raise ModelError("calibration carries a fitted model over to a device; this "
+                             "model is not one")
+        runs = []
+        for seed in range(seeds):
+            cal, test = calibration_split(t, n, seed)
+            te = t.take(test)
+            t0 = time.perf_counter()
+            m = TransferModel.fit(prior, t.take(cal), cfg) if n else prior
+            fit_s = time.perf_counter() - t0
+            runs.append({**judge(m, te), "fit_s": fit_s, "test_rows": len(test),
+                         "choice": dict(getattr(m, "choice", {}))})
+            if progress:
+                progress(1)
+        out["splits"][f"{n} rows"] = {
+            "calibration_rows": n, "test_rows": float(np.mean([r["test_rows"] for r in runs])),
+            "gemmd": {"fit_s": float(np.mean([r["fit_s"] for r in runs])),
+                      "predict_s": float(np.mean([r["predict_s"] for r in runs])),
+                      "targets": _mean_scores([r["targets"] for r in runs]),
+                      "choices": sorted({c for r in runs for c in r["choice"].values()})}}
+    return out
+
+
+def _mean_scores(runs: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per target and metric, the mean over runs that have it (n: the mean count)."""
+    out: dict[str, dict[str, float]] = {}
+    for target in dict.fromkeys(tg for r in runs for tg in r):
+        per = [r[target] for r in runs if target in r and r[target].get("n")]
+        if per:
+            keys = dict.fromkeys(k for p in per for k in p)
+            out[target] = {k: float(np.mean([p[k] for p in per if k in p])) for k in keys}
+    return out
+
+
 def work_units(t: Table, splits: Sequence[str], baseline: bool) -> int:
     """How many forests evaluate() fits (for a progress bar)."""
     return len(splits) * len(TARGETS) * (2 if baseline else 1)

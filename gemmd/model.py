@@ -6,7 +6,11 @@ probes or imported measurements. Targets are learned in log space relative to ph
 (runtime / roofline time, power / power limit, energy / FLOP) so that the forest predicts
 efficiency, which carries to unseen sizes. Repeats of a configuration are fitted as one
 row (their median); energy is power x runtime where the data agree. Intervals combine the
-spread of the trees with the noise of a single measurement. docs/model.md has the why.
+spread of the trees with the noise of a single measurement. Every prediction stays inside
+the physical bounds of its GPU (gemmd.bounds); how far other GPUs' data carry to a GPU
+never trained on, and a new GPU's first probes to the rest of its GEMMs, is what
+leave-one-GPU-out validation on the training data measured at fit time (_validate).
+docs/model.md has the why ("What the model trusts").
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from gemmd import features
+from gemmd import bounds, features
 from gemmd.config import ModelConfig, file_sha256
 from gemmd.devices.base import DeviceInfo
 from gemmd.devices.nvml import import_hiding_cupy
@@ -40,7 +44,8 @@ from gemmd.hardware import gpu_model_key
 
 # Bumped whenever features or target spaces change: older files are refused, not misread.
 # 3: datasheet peaks from the GPU catalogue, calibrated intervals and the training domain.
-MODEL_FORMAT = 3
+# 4: the domain per target, validated transfer and extrapolation (meta "logo", "ood_sd").
+MODEL_FORMAT = 4
 
 # The only types a model file may contain; anything else is refused before loading.
 TRUSTED_TYPES = [
@@ -85,6 +90,12 @@ class Prediction:
     # Such predictions are guesses: their interval is widened to say so.
     in_domain: bool = True
     domain: str = ""
+    # Per target, why it is outside the domain ('' inside): power and energy are in the
+    # domain only where power was measured, so they can be out where runtime is in.
+    domains: dict[str, str] = field(default_factory=dict)
+
+    def target_in_domain(self, target: str) -> bool:
+        return not self.domains.get(target, "" if self.in_domain else self.domain)
 
 
 class RooflinePredictor:
@@ -101,11 +112,13 @@ class RooflinePredictor:
 
     def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
                 ) -> list[Prediction]:
-        roof = features.roofline_vector(specs, infos)
+        t_ = Table.from_specs(specs, infos)
+        roof = features.roofline(t_)
+        floor = bounds.runtime_floor(t_)
         out = []
-        for r in roof:
-            t = float(r) / self.efficiency
-            out.append(Prediction(runtime_s=t, runtime_lo=t / self.interval_factor,
+        for r, f in zip(roof, floor):
+            t = max(float(r) / self.efficiency, float(f))
+            out.append(Prediction(runtime_s=t, runtime_lo=max(t / self.interval_factor, f),
                                   runtime_hi=t * self.interval_factor,
                                   sigma={"runtime": math.log(self.interval_factor) / 1.645},
                                   in_domain=False, domain="no model yet (roofline estimate)"))
@@ -639,6 +652,278 @@ def _shape_scale(t: Table, X: np.ndarray, forests: dict[str, Any], sigma: dict[s
 
 
 
+# ------------------------------------------------------------------ validation at fit time
+
+VALIDATION_TREES = 20  # trees of each forest fitted to validate (leave-one-GPU-out, sizes)
+VALIDATION_TRAIN_MAX = 5_000  # configurations such a forest is fitted on, at most
+VALIDATION_TEST_MAX = 1_500  # rows it is judged on, at most
+LOGO_MAX_GPUS = 6  # GPU models left out in turn, at most (those with the most rows)
+LOGO_MIN_ROWS = 20  # rows a GPU model needs to be left out and judged
+LOGO_TRUST_GPUS = 9  # GPU models left out before their spread alone sets the "gpu" widening
+SIZE_MIN_D = 0.5  # a row beyond the trained sizes is widened as if at least this far out
+# The least widening per factor of 2 beyond the trained sizes, whatever the folds found
+# (log-space sd): what lies beyond the data can hold what no fold inside it shows.
+SIZE_SD_FLOOR = 0.05
+SIZE_SHARE = 0.15  # the largest (smallest) sizes held out to validate extrapolation
+
+
+def _quick_forest(X: np.ndarray, y: np.ndarray, gid: np.ndarray, cfg: ModelConfig) -> Any:
+    """A small forest on per-configuration medians (VALIDATION_TREES, at most
+    VALIDATION_TRAIN_MAX configurations), as _fit_one fits but without its intervals."""
+    from sklearn.ensemble import RandomForestRegressor
+
+    first, med, cnt, _ = _aggregate(y, gid)
+    if len(med) > VALIDATION_TRAIN_MAX:
+        keep = np.sort(np.random.default_rng(cfg.seed).choice(len(med), VALIDATION_TRAIN_MAX,
+                                                              replace=False))
+        first, med, cnt = first[keep], med[keep], cnt[keep]
+    return RandomForestRegressor(
+        n_estimators=VALIDATION_TREES, max_depth=cfg.max_depth or None,
+        min_samples_leaf=cfg.min_samples_leaf, max_leaf_nodes=cfg.max_leaf_nodes or None,
+        max_features=MAX_FEATURES, random_state=cfg.seed, n_jobs=1,
+    ).fit(X[first], med, sample_weight=cnt.astype(np.float64))
+
+
+def _fold_model(t: Table, idx: np.ndarray, X: np.ndarray, gid: np.ndarray, target: str,
+                y: np.ndarray, sigma: float, cfg: ModelConfig) -> ForestModel:
+    """A ForestModel of one target fitted on the rows ``idx`` of ``t`` (quickly): what a
+    model trained on them alone predicts, with their domain and reference shapes."""
+    tr = t.take(idx)
+    rf = _quick_forest(X[idx], y[idx], gid[idx], cfg)
+    meta = {"reference_shapes": _reference_shapes(tr), "domain": domain_record(tr),
+            "roofline_efficiency": cfg.roofline_efficiency, "interval": cfg.interval}
+    return ForestModel({target: rf}, {target: sigma}, NormalDist().inv_cdf(
+        0.5 + cfg.interval / 2), meta)
+
+
+def _test_rows(sel: np.ndarray, seed: int) -> np.ndarray:
+    idx = np.flatnonzero(sel)
+    if len(idx) > VALIDATION_TEST_MAX:
+        idx = np.sort(np.random.default_rng(seed).choice(idx, VALIDATION_TEST_MAX,
+                                                         replace=False))
+    return idx
+
+
+def _clip_logs(target: str, t: Table, mu: np.ndarray) -> np.ndarray:
+    """Log points inside the physical bounds (gemmd.bounds), as predictions are served."""
+    if target == "runtime":
+        floor = bounds.runtime_floor(t)
+        return np.where(floor > 0, np.maximum(mu, np.log(np.maximum(floor, 1e-300))), mu)
+    if target == "power":
+        idle, lim = bounds.power_range(t)
+        with np.errstate(divide="ignore"):
+            return np.clip(mu, np.log(idle), np.log(lim))
+    return mu
+
+
+def _need(r: np.ndarray, sd: np.ndarray, z: float, per: np.ndarray) -> np.ndarray:
+    """Per residual: the spread ``per`` unit of distance must add (in quadrature to sd)
+    for the interval z * sd to hold it; 0 where sd alone does."""
+    return np.sqrt(np.maximum((np.abs(r) / z) ** 2 - sd**2, 0.0)) / np.maximum(per, 1e-12)
+
+
+def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, Any],
+              sigma: Mapping[str, float], in_scale: Mapping[str, float], cfg: ModelConfig
+              ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+    """What the training data say about predicting outside themselves, per forest target:
+    ({target: {"size": spread per factor of 2 beyond the trained sizes, "gpu": spread on
+    a GPU model never trained on}} where measured, {target: the leave-one-GPU-out
+    record}); see _validate_size and _validate_transfer."""
+    ood: dict[str, dict[str, float]] = {}
+    transfer: dict[str, dict[str, Any]] = {}
+    z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
+    for target in forests:
+        y = to_model_space(target, t)
+        tau = dict(OOD_SD.get(target, OOD_SD["runtime"]))
+        size = _validate_size(t, X, gid, target, y, sigma[target], in_scale[target], cfg, z)
+        if size is not None:
+            tau["size"] = ood.setdefault(target, {})["size"] = size
+        rec = _validate_transfer(t, X, gid, target, y, sigma[target], in_scale[target], cfg,
+                                 z, tau)
+        if rec:
+            transfer[target] = rec
+            # GPUs left out are the units: below LOGO_TRUST_GPUS of them the nominal
+            # share of GPUs cannot be told, and the spread is never taken below OOD_SD's
+            gpu = rec["gpu_sd"] if len(rec["gpus"]) >= LOGO_TRUST_GPUS else \
+                max(rec["gpu_sd"], tau["gpu"])
+            ood.setdefault(target, {})["gpu"] = gpu
+    return ood, transfer
+
+
+def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.ndarray,
+                   sigma: float, scale: float, cfg: ModelConfig, z: float) -> float | None:
+    """The spread per factor of 2 beyond the trained sizes that makes the nominal interval
+    hold there: the largest SIZE_SHARE of rows in M, N or K held out (then the smallest),
+    a forest fitted on the rest, and each held-out row's residual set against the
+    interval it would get in the domain, over how far beyond the range it lies (at least
+    SIZE_MIN_D factors of 2); the conformal quantile of what each needs. None when the
+    data do not span sizes enough to try."""
+    ok = np.isfinite(y)
+    lg = np.column_stack([np.log2(t[c]) for c in ("m", "n", "k")])
+    needs = []
+    for side in (1, -1):
+        out = np.zeros(len(t), dtype=bool)
+        for j in range(3):
+            v = lg[ok, j]
+            u = np.unique(v)
+            if len(u) < 4:
+                continue
+            # the distinct size whose share beyond it is nearest SIZE_SHARE (sizes
+            # often lie on a grid: a quantile there would leave nothing beyond it)
+            cut = u[:-1] if side > 0 else u[1:]
+            share = np.array([np.mean(side * (v - c) > 0) for c in cut])
+            q = cut[int(np.argmin(np.abs(share - SIZE_SHARE)))]
+            out |= (side * (lg[:, j] - q) > 0) & ok
+        train = ok & ~out
+        if out.sum() < LOGO_MIN_ROWS or train.sum() < 3 * LOGO_MIN_ROWS:
+            continue
+        fold = _fold_model(t, np.flatnonzero(train), X, gid, target, y, sigma, cfg)
+        te_idx = _test_rows(out, cfg.seed + (side > 0))
+        te = t.take(te_idx)
+        d = domain_flags(fold.meta["domain"], te)["size"]
+        mu, sd = fold.raw_logs(te, scaled=False)[target]
+        mu = _clip_logs(target, te, mu)
+        r = np.log(te[COLUMN[target]]) - mu
+        far = (d > 0) & np.isfinite(r)
+        if far.any():
+            needs.append(_need(r[far], sd[far] * scale, z, np.maximum(d[far], SIZE_MIN_D)))
+    if not needs or sum(len(n) for n in needs) < LOGO_MIN_ROWS:
+        return None
+    return float(np.clip(conformal_quantile(np.concatenate(needs), cfg.interval),
+                         SIZE_SD_FLOOR, 2.0))
+
+
+def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
+                       y: np.ndarray, sigma: float, scale: float, cfg: ModelConfig, z: float,
+                       tau: Mapping[str, float]) -> dict[str, Any]:
+    """Leave-one-GPU-out on the training data (at least two GPU models with the target
+    measured): each GPU model in turn predicted by a forest of the others, as the model
+    predicts a GPU it never saw. For runtime, every (w, a) of TRANSFER_GRID is judged
+    (ForestModel.transfer_runtime): the one with the least mean error relative to the
+    roofline estimate's (each held-out GPU counts once) is chosen. Returns {} without two
+    GPU models, else {"w", "a", "gpus", "scores" (per candidate: mean MAPE / roofline
+    MAPE), "mape" (per held-out GPU at the choice), "roofline_mape", "level_sd" (how far
+    a held-out GPU's level was off: the root mean square of their median log residual),
+    "shape_sd" (the scatter around it: median of their MAD x 1.4826) and "gpu_sd" (the
+    spread that makes the nominal interval, with the other widenings a row gets, hold
+    on the held-out GPUs' rows, each GPU weighted alike)}."""
+    ok = np.isfinite(y)
+    if not ok.any():
+        return {}
+    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device]
+    names, counts = np.unique(keys[ok], return_counts=True)
+    if len(names) < 2:
+        return {}
+    order = np.argsort(-counts, kind="stable")
+    gpus = [str(names[i]) for i in order[:LOGO_MAX_GPUS] if counts[i] >= LOGO_MIN_ROWS]
+    if not gpus:
+        return {}
+    eff = cfg.roofline_efficiency
+    grid = TRANSFER_GRID if target == "runtime" else ((1.0, 1.0),)
+    err: dict[tuple[float, float], list[float]] = {c: [] for c in grid}
+    roof_err: list[float] = []
+    folds = []
+    fold_groups: list[np.ndarray] = []
+    for g_i, g in enumerate(gpus):
+        fold = _fold_model(t, np.flatnonzero(ok & (keys != g)), X, gid, target, y, sigma, cfg)
+        te_idx = _test_rows(ok & (keys == g), cfg.seed + g_i)
+        te = t.take(te_idx)
+        yt = np.log(te[COLUMN[target]])
+        flags = domain_flags(fold.meta["domain"], te)
+        mu, sd = fold.raw_logs(te, scaled=False)[target]
+        cands = {}
+        if target == "runtime":
+            todo = flags["gpu"] & ~flags["kernel"]
+            level = fold.forest_levels(te, todo)
+            ref = np.log(runtime_reference(te))
+            zz = np.where(todo, mu - ref - level, 0.0)
+            for w, a in grid:
+                p = np.where(todo, ref + (1 - w) * math.log(1 / eff) + w * level + a * zz, mu)
+                cands[(w, a)] = _clip_logs(target, te, fold._fallback(target, te, p, flags))
+            roof = features.roofline(te) / eff
+            roof_err.append(float(np.mean(np.abs(roof / np.exp(yt) - 1))))
+        else:
+            cands[(1.0, 1.0)] = _clip_logs(target, te, mu)
+            roof_err.append(float("nan"))
+        for c, p in cands.items():
+            err[c].append(float(np.mean(np.abs(np.expm1(p - yt)))))
+        folds.append((yt, cands, sd * scale, flags))
+        fold_groups.append(_groups(te))
+    ratio = {c: float(np.mean(np.array(e) / np.array(roof_err))) if target == "runtime"
+             else float(np.mean(e)) for c, e in err.items()}
+    best = min(grid, key=lambda c: (ratio[c], grid.index(c)))
+    levels, spreads, needs, weights = [], [], [], []
+    for yt, cands, sd, flags in folds:
+        r = yt - cands[best]
+        med = float(np.median(r))
+        levels.append(med)
+        spreads.append(1.4826 * float(np.median(np.abs(r - med))))
+        other = widen(target, np.zeros(len(r)), flags, skip=("gpu",), tau=tau)
+        needs.append(_need(r, np.hypot(sd, other), z, np.ones(len(r))))
+        weights.append(np.full(len(r), 1.0 / len(r)))
+    gpu_sd = _weighted_conformal_quantile(np.concatenate(needs), np.concatenate(weights),
+                                          cfg.interval)
+    shape_sd = float(np.median(spreads)) or RESID_SD0
+    n0, gain = _validate_calibration([(yt - cands[best], g) for (yt, cands, _, _), g
+                                      in zip(folds, fold_groups)], shape_sd, cfg.seed)
+    return {"w": best[0], "a": best[1], "gpus": gpus,
+            "scores": {f"{w:g},{a:g}": v for (w, a), v in ratio.items()},
+            "mape": dict(zip(gpus, err[best])),
+            "roofline_mape": dict(zip(gpus, roof_err)) if target == "runtime" else {},
+            "level_sd": float(np.sqrt(np.mean(np.square(levels)))),
+            "shape_sd": shape_sd, "gpu_sd": float(np.clip(gpu_sd, 0.02, 3.0)),
+            "level_n0": n0, "calibration_gain": gain}
+
+
+# How many probes' worth the prior's level counts for against a new GPU's own
+# (calibrate: the level is shrunk toward the prior by this pseudo-count), the candidates
+# leave-one-GPU-out judges: simulated calibrations of each held-out GPU on CAL_PROBES
+# random rows of it (CAL_DRAWS draws each), the pseudo-count with the least mean error
+# relative to no calibration (the largest among equals: the prior is kept unless the
+# probes help).
+LEVEL_N0_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+CAL_PROBES = (5, 20)
+CAL_DRAWS = 20
+
+
+def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: float,
+                          seed: int) -> tuple[float, dict[str, float]]:
+    """(the chosen pseudo-count of LEVEL_N0_GRID, {probes: mean error relative to none
+    at that choice}) from each held-out GPU's log residuals (measured minus predicted, as
+    carried over) and dtype/kernel group per row: calibrate's level and group offsets,
+    each with that pseudo-count, on random rows of the GPU, judged on all of its rows."""
+    rng = np.random.default_rng(seed)
+    ratio: dict[float, list[float]] = {n0: [] for n0 in LEVEL_N0_GRID}
+    per_n: dict[float, dict[int, list[float]]] = {n0: {n: [] for n in CAL_PROBES}
+                                                  for n0 in LEVEL_N0_GRID}
+    for r, groups in resid:
+        ok = np.isfinite(r)
+        r, groups = r[ok], groups[ok].astype(str)
+        base = float(np.mean(np.abs(np.expm1(-r))))
+        if len(r) < 2 * max(CAL_PROBES) or base <= 0:
+            continue
+        names_all, g_all = np.unique(groups, return_inverse=True)
+        for n in CAL_PROBES:
+            draws = [rng.choice(len(r), n, replace=False) for _ in range(CAL_DRAWS)]
+            for n0 in LEVEL_N0_GRID:
+                tau = s0 / math.sqrt(n0)
+                errs = []
+                for idx in draws:
+                    present, gi = np.unique(g_all[idx], return_inverse=True)
+                    b, cg = _robust_offsets(r[idx], gi.ravel(), len(present), s0, tau,
+                                               np.full(len(present), tau))
+                    shift = np.full(len(names_all), b)
+                    shift[present] += cg
+                    errs.append(float(np.mean(np.abs(np.expm1(shift[g_all] - r)))))
+                ratio[n0].append(float(np.mean(errs)) / base)
+                per_n[n0][n].append(float(np.mean(errs)) / base)
+    if not ratio[LEVEL_N0_GRID[0]]:
+        return LEVEL_N0_DEFAULT, {}
+    mean = {n0: float(np.mean(v)) for n0, v in ratio.items()}
+    best = min(LEVEL_N0_GRID, key=lambda n0: (round(mean[n0], 4), -n0))
+    return best, {str(n): float(np.mean(v)) for n, v in per_n[best].items()}
+
+
 def _energy_is_derived(t: Table, forests: dict[str, Any]) -> bool:
     """True when a power and a runtime forest exist and energy was either never measured
     (energy per GEMM is then average power x runtime by definition) or is power x runtime
@@ -747,6 +1032,12 @@ class ForestModel:
         if "runtime" not in forests:
             raise ModelError("no runtime measurements to fit on")
         shape_scale, shape_set = _shape_scale(t, X, forests, sigma, scale, cfg, floor_rows)
+        domain_targets = {tg: domain_record(t.take(np.flatnonzero(np.isfinite(
+            t[COLUMN[tg]])))) for tg in forests}
+        if "energy" in derived:  # power x runtime: known where power was measured
+            domain_targets["energy"] = domain_targets["power"]
+        in_scale = {tg: shape_scale.get(tg, scale.get(tg, 1.0)) for tg in forests}
+        ood, transfer = _validate(t, X, gid, forests, sigma, in_scale, cfg)
         scores = {}
         for target, pred in oob.items():
             meas = t[COLUMN[target]]
@@ -771,6 +1062,7 @@ class ForestModel:
                 "interval_noise_floor": floor, "interval_noise_floor_group": floor_group,
                 "repeats": repeats,
                 "shapes": shape_set, "domain": domain_record(t),
+                "domain_targets": domain_targets, "ood_sd": ood, "logo": transfer,
                 "reference_shapes": _reference_shapes(t),
                 "roofline_efficiency": cfg.roofline_efficiency}
         return cls(forests, sigma, z, meta)
@@ -785,63 +1077,118 @@ class ForestModel:
 
     def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:
         """Per target: point, lo, hi (SI units), sigma (log space), in_domain (bool) and
-        domain (why not, '' when in domain), one entry per row."""
+        domain (why not, '' when in domain), one entry per row; inside the physical
+        bounds of each row's device (gemmd.bounds)."""
         if not len(t):
             return {}
         logs, flags = self.prior_logs(t)
         for target, (mu, sd) in list(logs.items()):
-            logs[target] = (mu, widen(target, sd, flags))
-        return result(self._with_energy(logs, t), flags, self.z)
+            logs[target] = (mu, widen(target, sd, flags[target], tau=self.ood_sd(target)))
+        logs = self._with_energy(logs, t)
+        out = result(logs, {tg: flags.get(tg, flags["runtime"]) for tg in logs}, self.z)
+        bounds.clip(out, t)
+        return out
+
+    def ood_sd(self, target: str) -> dict[str, float]:
+        """The log-space spread added per way a row lies outside the domain (OOD_SD),
+        with the model's own validated figures where it measured them at fit time
+        (leave-one-GPU-out for "gpu", extrapolation beyond a trained size for "size")."""
+        return {**OOD_SD.get(target, OOD_SD["runtime"]),
+                **(self.meta.get("ood_sd") or {}).get(target, {})}
+
+    def transfer_setting(self) -> tuple[float, float]:
+        """(w, a) for an unknown GPU's runtime: the weight of the forest's own efficiency
+        level against the roofline estimate's, and of its shape dependence (how
+        efficiency changes with size and configuration) against none; chosen at fit time
+        by leave-one-GPU-out validation, else DEFAULT_TRANSFER."""
+        rec = (self.meta.get("logo") or {}).get("runtime") or {}
+        return float(rec.get("w", DEFAULT_TRANSFER[0])), float(rec.get("a", DEFAULT_TRANSFER[1]))
 
     def prior_logs(self, t: Table) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
-                                            dict[str, Any]]:
-        """(per forest target: log point and in-domain log sd, domain flags): the raw
-        forest with an unknown GPU's level anchored and an unknown kernel's runtime from
-        the roofline; the interval not yet widened for being outside the domain."""
+                                            dict[str, dict[str, Any]]]:
+        """(per forest target: log point and in-domain log sd, per target: domain flags):
+        the raw forest with an unknown GPU's runtime carried over by transfer_setting
+        and an unknown kernel's runtime from the roofline; the interval not yet widened
+        for being outside the domain."""
         logs = self.raw_logs(t)
-        flags = self.domain_flags(t)
-        anchor = self.anchor_offsets(t, flags)
+        flags = self.target_flags(t)
         for target, (mu, sd) in list(logs.items()):
-            mu = self._fallback(target, t, mu + (anchor if target == "runtime" else 0.0),
-                                flags)
-            logs[target] = (mu, sd)
+            if target == "runtime":
+                mu = self.transfer_runtime(t, mu, flags["runtime"])
+            logs[target] = (self._fallback(target, t, mu, flags[target]), sd)
         return logs, flags
 
-    def anchor_offsets(self, t: Table, flags: Mapping[str, Any] | None = None
-                       ) -> np.ndarray:
-        """Log-runtime offset per row for GPUs the model never saw (0 elsewhere).
+    def target_flags(self, t: Table, extra: Mapping[str, Mapping[str, Any]] | None = None
+                     ) -> dict[str, dict[str, Any]]:
+        """domain_flags per target: runtime against the rows trained with a runtime,
+        power and energy against those with power (energy measured, where it has a
+        forest of its own): power is not in the domain of a GPU whose power was never
+        measured. ``extra``: per target, domain_flags' extra (a calibration's probes)."""
+        recs = self.meta.get("domain_targets") or {}
+        out = {}
+        derived = self.meta.get("derived", {})
+        for target in self.forests:
+            rec = recs.get(target, self.meta.get("domain"))
+            out[target] = domain_flags(rec, t, (extra or {}).get(target))
+            if target != "runtime" and target in recs:  # say which data is missing
+                out[target]["reason"] = np.array(
+                    [r.replace("no data on", f"no {target} data on") for r in
+                     out[target]["reason"]], dtype=object)
+        if "runtime" not in out:
+            out["runtime"] = domain_flags(self.meta.get("domain"), t,
+                                          (extra or {}).get("runtime"))
+        for target in derived:  # power x runtime: known where power is
+            out[target] = out.get("power", out["runtime"])
+        return out
 
-        What a forest says about an unknown GPU carries its training GPUs' efficiency
-        level, which is not the new GPU's: that level is unknown until the GPU's own
-        probes say (TransferModel). Until then the prediction keeps the forest's shape
-        dependence (how efficiency varies with size and configuration) at the level of
-        the roofline estimate (model.roofline_efficiency), ANCHOR_WEIGHT moving it toward
-        the forest's. The forest's level for a (device, configuration) is its median log
-        efficiency over shapes it was trained on (meta "reference_shapes"): one figure per
-        configuration, whatever else is predicted alongside."""
-        flags = flags if flags is not None else self.domain_flags(t)
-        out = np.zeros(len(t))
-        todo = flags["gpu"] & ~flags["kernel"]
+    def domain_flags(self, t: Table) -> dict[str, Any]:
+        """The runtime's domain flags (target_flags for the others)."""
+        return self.target_flags(t)["runtime"]
+
+    def forest_levels(self, t: Table, todo: np.ndarray) -> np.ndarray:
+        """Per row where ``todo``: the forest's efficiency level for the row's device and
+        configuration, the median over the shapes it was trained on (meta
+        "reference_shapes") of its log(runtime / runtime_reference); NaN elsewhere. One
+        figure per (device, configuration), whatever else is predicted alongside."""
+        out = np.full(len(t), np.nan)
         shapes = self.meta.get("reference_shapes") or []
         if not todo.any() or not shapes or "runtime" not in self.forests:
             return out
-        eff = float(self.meta.get("roofline_efficiency", 0.7))
         ref = np.asarray(shapes, dtype=np.float64)
         for i in np.flatnonzero(todo):
             info = t.info(i)
             cfg = tuple((c, _plain(t[c][i])) for c in ANCHOR_CONFIG)
             key = (info.uuid, cfg)
-            off = self._anchor_cache.get(key)
-            if off is None:
+            level = self._anchor_cache.get(key)
+            if level is None:
                 rows = [{"m": a, "n": b, "k": c, "batch": d, **dict(cfg)} for a, b, c, d in ref]
                 rt = Table.from_rows(rows, [info] * len(rows))
-                mu, _ = self.raw_logs(rt)["runtime"]
+                mu, _ = self.raw_logs(rt, scaled=False)["runtime"]
                 level = float(np.median(mu - np.log(runtime_reference(rt))))
-                off = -(1.0 - ANCHOR_WEIGHT) * (level - math.log(1.0 / eff))
                 if len(self._anchor_cache) < 4096:
-                    self._anchor_cache[key] = off
-            out[i] = off
+                    self._anchor_cache[key] = level
+            out[i] = level
         return out
+
+    def transfer_runtime(self, t: Table, mu: np.ndarray, flags: Mapping[str, Any]
+                         ) -> np.ndarray:
+        """Log runtime per row: on a GPU the model never saw (and a kernel
+        it knows), log(reference) + (1 - w) log(1 / roofline_efficiency) + w L + a z,
+        where L is the forest's level there (forest_levels), z = log efficiency - L the
+        forest's shape dependence and (w, a) = transfer_setting(); elsewhere the forest's
+        own. What a forest says of an unknown GPU carries its training GPUs'
+        efficiency level and shape, which need not be the new GPU's: how far they carry
+        is what leave-one-GPU-out validation on the training data measured."""
+        todo = flags["gpu"] & ~flags["kernel"]
+        if not todo.any():
+            return mu
+        w, a = self.transfer_setting()
+        eff = float(self.meta.get("roofline_efficiency", 0.7))
+        level = self.forest_levels(t, todo)
+        ref = np.log(runtime_reference(t))
+        z = np.where(todo, mu - ref - level, 0.0)
+        carried = ref + (1.0 - w) * math.log(1.0 / eff) + w * level + a * z
+        return np.where(todo, carried, mu)
 
     def raw_logs(self, t: Table, scaled: bool = True
                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -899,9 +1246,6 @@ class ForestModel:
             i = np.minimum(np.searchsorted(keys, h), len(keys) - 1)
             out[target] = np.where(keys[i] == h, sds[i].astype(np.float64), np.nan)
         return out
-
-    def domain_flags(self, t: Table) -> dict[str, Any]:
-        return domain_flags(self.meta.get("domain"), t)
 
     def _seen_shapes(self, t: Table) -> np.ndarray:
         """Per row: was its shape (GPU model, M, N, K, batch) in the training data? All
@@ -1001,8 +1345,12 @@ class ForestModel:
 
 # ------------------------------------------------------------------ the training domain
 
-# Sizes within this many factors of 2 of the trained range count as in the domain.
-SIZE_MARGIN_LOG2 = 1.0
+# Sizes within this many factors of 2 of the trained range count as in the domain: none.
+# A forest extrapolates flat beyond the sizes it saw; trained on M <= 2048 and asked
+# about M = 4096 (within the 2x margin this once had) its 90% intervals covered 69-77%
+# without a flag (issue 25). Beyond the range in M, N, K or FLOPs a row is flagged and
+# its interval widened per factor of 2, by what extrapolation at fit time measured.
+SIZE_MARGIN_LOG2 = 0.0
 _SIZES = ("m", "n", "k", "flops")
 
 # No interval narrower than this (log space, about +-0.8% at 90%): repeated GEMMs on a
@@ -1022,10 +1370,17 @@ OOD_SD: dict[str, dict[str, float]] = {
 }
 
 
-# An unknown GPU's runtime level: this share from the forest, the rest from the roofline
-# estimate's (ForestModel.anchor_offsets). On the shared data 0 was best on average and
-# on every pair never worse than the roofline; 0.5 was 1.46x worse on one (bench/transfer.py).
-ANCHOR_WEIGHT = 0.0
+# An unknown GPU's runtime (ForestModel.transfer_runtime): candidate (w, a), the weights
+# of the forest's efficiency level (against the roofline estimate's) and of its shape
+# dependence (against none), judged by leave-one-GPU-out validation at fit time
+# (_validate_transfer) where the training data hold two GPU models or more. Without that
+# evidence: the roofline estimate's level and no shape (the roofline estimate plus a
+# launch), which is what the model would otherwise use. On the shared data's 12
+# one-GPU-to-another pairs that beat the forest's level on 7 and its shape on 9
+# (bench/RESULTS.md, "Model across GPUs"); another evaluation found the opposite within
+# one GPU family (A100 -> A100 80 GB, H100: issue 25): only the training data can say.
+TRANSFER_GRID = tuple((w, a) for w in (0.0, 0.5, 1.0) for a in (0.0, 0.5, 1.0))
+DEFAULT_TRANSFER = (0.0, 0.0)
 ANCHOR_CONFIG = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
                  "alpha", "beta", "out_dtype", "variant")
 
@@ -1133,31 +1488,40 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
         out["reason"][sel] = "; ".join(parts)
     far = out["size"] > 0
     for i in np.flatnonzero(far):
-        note = f"size {2 ** out['size'][i] * 2:.3g}x beyond the trained range"
+        note = f"size {2 ** (out['size'][i] + SIZE_MARGIN_LOG2):.3g}x beyond the trained range"
         out["reason"][i] = f"{out['reason'][i]}; {note}" if out["reason"][i] else note
     out["in_domain"] = ~(out["gpu"] | out["dtype"] | out["kernel"] | far)
     return out
 
 
+def _size_d(d: np.ndarray) -> np.ndarray:
+    """Factors of 2 beyond the trained sizes as widened: at least SIZE_MIN_D once beyond."""
+    return np.where(d > 0, np.maximum(d, SIZE_MIN_D), 0.0)
+
+
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
-          skip: Sequence[str] = ()) -> np.ndarray:
-    """sd combined with the OOD_SD of every way a row lies outside the domain."""
-    tau = OOD_SD.get(target, OOD_SD["runtime"])
+          skip: Sequence[str] = (), tau: Mapping[str, float] | None = None) -> np.ndarray:
+    """sd combined with the spread (``tau``, else OOD_SD) of every way a row lies
+    outside the domain."""
+    tau = tau or OOD_SD.get(target, OOD_SD["runtime"])
     var = sd**2
     for kind in ("gpu", "dtype", "kernel"):
         if kind not in skip:
             var = var + np.where(flags[kind], tau[kind] ** 2, 0.0)
     if "size" not in skip:
-        var = var + (tau["size"] * flags["size"]) ** 2
+        var = var + (tau["size"] * _size_d(flags["size"])) ** 2
     return np.sqrt(var)
 
 
-def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]], flags: Mapping[str, Any],
-           z: float | np.ndarray) -> dict[str, dict[str, np.ndarray]]:
-    """predict_table's answer from log points and sds: z may be one value or per row."""
+def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+           flags: Mapping[str, Mapping[str, Any]], z: float | np.ndarray
+           ) -> dict[str, dict[str, np.ndarray]]:
+    """predict_table's answer from log points and sds and each target's domain flags
+    (``flags[target]``): z may be one value or per row."""
     return {target: {"point": np.exp(mu), "lo": np.exp(mu - z * sd),
                      "hi": np.exp(mu + z * sd), "sigma": sd,
-                     "in_domain": flags["in_domain"], "domain": flags["reason"]}
+                     "in_domain": flags[target]["in_domain"],
+                     "domain": flags[target]["reason"]}
             for target, (mu, sd) in logs.items()}
 
 
@@ -1170,8 +1534,11 @@ def to_predictions(out: Mapping[str, Mapping[str, np.ndarray]], n: int) -> list[
             setattr(p, f"{target}_lo", float(res["lo"][i]))
             setattr(p, f"{target}_hi", float(res["hi"][i]))
             p.sigma[target] = float(res["sigma"][i])
-            p.in_domain = bool(res["in_domain"][i])
-            p.domain = str(res["domain"][i])
+            p.domains[target] = "" if res["in_domain"][i] else str(res["domain"][i])
+    for p in preds:  # in_domain and domain: the runtime's (the headline of a probe)
+        head = "runtime" if "runtime" in p.domains else next(iter(p.domains), "")
+        p.domain = p.domains.get(head, "")
+        p.in_domain = not p.domain
     return preds
 
 
@@ -1186,23 +1553,29 @@ GROUP_SD_KNOWN = 0.15  # a dtype/kernel the prior knows on that GPU model
 RESID_SD0 = 0.3  # scatter left after the offsets on a new GPU, before the probes say
 RESID_DOF0 = 3.0  # the weight of that guess, in probes
 MIN_PROBES_IN_DOMAIN = 3  # probes of a dtype/kernel that make a device's predictions in domain
+MIN_GROUP_PROBES = 10  # probes of a dtype/kernel before trees on the probes predict it
 MIN_SELECT = 5  # probes before recipes on the device's own data are fitted (chosen by CV)
 MIN_RESIDUAL = 10  # probes before trees on the calibrated residuals are tried
 CV_FOLDS = 5
 CV_MAX_ROWS = 2000  # cross-validation of the choice reads at most this many probes
-CHOICES = ("calibrated", "residual", "own", "few")
-# From MIN_SELECT probes the recipe is a default: the calibrated prior where the prior
-# was fitted on the device's GPU model (a fleet's reference model: its shape is right),
-# else "few" (below); from MIN_OVERRIDE probes, another recipe replaces it where
-# cross-validation over the probes finds it better by SELECT_SE standard errors of the
-# paired difference. On the shared data (27 source/target/probe-count cases at 5-50
-# probes, every target a GPU the prior never saw; docs/model.md) "few" alone averaged
-# 23.2% MAPE on held-out shapes; the recipe with the lowest CV error 24.6% (a few probes'
-# CV error is noisy, its minimum often a fluke), with one standard error 24.1%, with two
-# 23.5%. Below MIN_OVERRIDE probes the folds hold one or two probes each, and training
-# on 80% of 5 probes handicaps the data-hungry recipes: those choices lost.
-DEFAULT_CHOICE = "few"
-SELECT_SE = 2.0
+CHOICES = ("calibrated", "residual", "own", "few", "blend")
+# "blend": the calibrated prior and the few-probe trees averaged in log space, the trees
+# weighted by one of these (the one cross-validation over the probes finds best): the
+# prediction moves from the prior toward the device's own data as far as the probes show
+# skill, not all at once.
+BLEND_WEIGHTS = (0.25, 0.5, 0.75)
+# The recipe is the calibrated prior (its shrinkage validated at fit time: a few probes
+# cannot make it worse than none on the training GPUs); from MIN_OVERRIDE probes another
+# (few-probe trees, a blend of them with the calibrated prior, residual trees, gemmd's
+# forest on the probes) replaces it where cross-validation over the probes finds it
+# better by SELECT_SE standard errors of the paired difference. Until issue 25 "few" was
+# the default from 5 probes: 5 probes were then worse than none on 5 of 9 GPUs of one
+# evaluation (V100 55.5% against 25.2%) and here on B200 -> H100 (27.2% against 18.0%).
+# With the blends, 1 standard error took the MI355X at 20 probes from 28.4% to 27.0% and
+# left the H100 at 14.8% (2 standard errors: no blend chosen; 0: 26.4%, a minimum of a
+# few probes' CV errors is often a fluke).
+DEFAULT_CHOICE = "calibrated"
+SELECT_SE = 1.0
 MIN_OVERRIDE = 10
 # "few": extremely randomized trees on the device's probes, each split the best of one
 # random threshold on each of a third of the features (Breiman's p/3 for regression). On a
@@ -1212,6 +1585,12 @@ MIN_OVERRIDE = 10
 # probes, better on every GPU of the shared data; at 200 probes 7-19% against 8-21%,
 # worse on the RTX 4070 only).
 FEW_MAX_FEATURES = 1 / 3
+
+
+LEVEL_SD_FLOOR = 0.02  # a validated level spread is never taken below this
+# Without leave-one-GPU-out evidence, the prior's level counts as this many probes on a
+# GPU it never saw: RESID_SD0 / sqrt(0.36) = 0.5 = OOD_SD's "gpu", as before.
+LEVEL_N0_DEFAULT = 0.36
 
 
 @dataclass
@@ -1228,7 +1607,10 @@ class DeviceCalibration:
     sd: dict[str, float]  # residual scatter after the offsets
     dof: dict[str, float]  # its degrees of freedom
     precision: dict[str, float]  # of the level, in probes (n + s0^2 / tau^2)
-    domain: dict[str, Any]  # what the probes cover: pairs, kernels, size ranges
+    domain: dict[str, Any]  # per target: what the probes cover: pairs, kernels, sizes
+    # per target and group of a kernel the prior never saw: that group's own scatter
+    # (its efficiency may vary with size as no other kernel's does)
+    group_scatter: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def offset(self, target: str, group: str) -> float:
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)
@@ -1236,6 +1618,9 @@ class DeviceCalibration:
     def variance(self, target: str, group: str) -> float:
         """Variance of a new measurement around the calibrated prediction (log space)."""
         s2 = self.sd[target] ** 2
+        own = self.group_scatter.get(target, {}).get(group)
+        if own is not None:
+            s2 = own**2
         var = s2 * (1.0 + 1.0 / self.precision[target])
         n_g = self.counts.get(target, {}).get(group, 0)
         tau = self.group_sd.get(target, {}).get(group)
@@ -1248,98 +1633,146 @@ def _groups(t: Table) -> np.ndarray:
     return np.array([f"{d}/{k}" for d, k in zip(t["dtype"], t["kernel"])], dtype=object)
 
 
+def _unknown_priors(prior: ForestModel, target: str) -> tuple[float, float]:
+    """(level spread, scatter after the level) on a GPU model ``prior`` never saw: the
+    scatter as leave-one-GPU-out measured it on the training data (else RESID_SD0), the
+    level's spread that scatter over the square root of the pseudo-count that validation
+    chose (else LEVEL_N0_DEFAULT): the prior's level counts as that many probes."""
+    rec = (prior.meta.get("logo") or {}).get(target) or {}
+    s0 = float(rec.get("shape_sd", RESID_SD0)) or RESID_SD0
+    n0 = float(rec.get("level_n0", LEVEL_N0_DEFAULT))
+    return max(s0 / math.sqrt(n0), LEVEL_SD_FLOOR), s0
+
+
 def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
-    """Per device of ``t`` (its probes, measured): its offsets from ``prior``."""
+    """Per device of ``t`` (its probes, measured): its offsets from ``prior``.
+
+    Per target, log(measured / prior) = level + group offset + noise, each term shrunk
+    toward 0 (the prior) by its prior spread (Bayesian shrinkage: with few probes the
+    prior, with many the device's own level), Huber-weighted. On a GPU model the prior
+    never saw, the level's spread and the scatter are what leave-one-GPU-out validation
+    measured and chose at fit time (_unknown_priors, _validate_calibration)."""
     logs, flags = prior.prior_logs(t)
     groups = _groups(t)
     sizes = _log2_sizes(t)
     out: dict[str, DeviceCalibration] = {}
-    known_pairs = {k: set(v.get("pairs", [])) for k, v in
-                   (prior.meta.get("domain") or {}).get("gpus", {}).items()}
-    known_kernels = set((prior.meta.get("domain") or {}).get("kernels", []))
+    dom = prior.meta.get("domain_targets") or {}
+    del flags
+    shape_ids = shape_hashes(t)
     for j, info in enumerate(t.devices):
         sel = t.device == j
         if not sel.any():
             continue
         key = gpu_model_key(info)
-        unknown = key not in known_pairs
         cal = DeviceCalibration(info.uuid, key, int(sel.sum()), {}, {}, {}, {}, {}, {}, {},
                                 {})
         g_all = groups[sel]
         for target, (mu, sd_in) in logs.items():
+            rec = dom.get(target, prior.meta.get("domain")) or {}
+            known_pairs = set(rec.get("gpus", {}).get(key, {}).get("pairs", []))
+            known_kernels = set(rec.get("kernels", []))
+            unknown = key not in rec.get("gpus", {})
             r = np.log(t[COLUMN[target]][sel]) - mu[sel]
             ok = np.isfinite(r)
             if not ok.any():
                 continue
             tau_o = OOD_SD.get(target, OOD_SD["runtime"])
             e, g = r[ok], g_all[ok]
-            tau_b = tau_o["gpu"] if unknown else LEVEL_SD_KNOWN
-            s0 = RESID_SD0 if unknown else max(float(np.median(sd_in[sel][ok])), 0.02)
+            if unknown:
+                tau_b, s0 = _unknown_priors(prior, target)
+            else:
+                tau_b = LEVEL_SD_KNOWN
+                s0 = max(float(np.median(sd_in[sel][ok])), 0.02)
             names, gi = np.unique(g.astype(str), return_inverse=True)
-            tau_g = np.array([GROUP_SD_KNOWN if name in known_pairs.get(key, ()) else
+            # a dtype/kernel's offset on top of the level: on a GPU model the prior never
+            # saw, as uncertain as the level (validation judged them together, with the
+            # same pseudo-count); on a known one, GROUP_SD_KNOWN where the prior knows the
+            # pair there, else as a kernel or a dtype outside the domain
+            tau_g = np.array([min(tau_b, tau_o["dtype"]) if unknown else
+                              GROUP_SD_KNOWN if name in known_pairs else
                               tau_o["kernel"] if name.split("/")[1] not in known_kernels
                               else tau_o["dtype"] for name in names])
             n_g = np.bincount(gi, minlength=len(names)).astype(float)
-            b, c = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g)
-            resid = e - b - c[gi]
-            dof = RESID_DOF0 + max(len(e) - 1, 0)
-            s2 = (RESID_DOF0 * s0**2 + float(np.sum(resid**2))) / dof
+            sid = np.unique(shape_ids[sel][ok], return_inverse=True)[1].ravel()
+            u = 1.0 / np.bincount(sid)[sid]
+            # a kernel the prior never saw: its probes' scatter is its own, and until
+            # they say otherwise as wide as its offset's prior spread
+            new_kernel = np.array([nm.split("/")[1] not in known_kernels for nm in names])
+            s0_g = np.where(new_kernel, tau_o["kernel"], s0)
+            b, cg = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g)
+            resid = e - b - cg[gi]
+            mine = ~new_kernel[gi]
+            dof = RESID_DOF0 + max(int(mine.sum()) - 1, 0)
+            s2 = (RESID_DOF0 * s0**2 + float(np.sum(resid[mine] ** 2))) / dof
+            for i in np.flatnonzero(new_kernel):
+                r_g = resid[gi == i]
+                cal.group_scatter.setdefault(target, {})[str(names[i])] = math.sqrt(
+                    (RESID_DOF0 * s0_g[i] ** 2 + float(np.sum(r_g**2))) /
+                    (RESID_DOF0 + len(r_g)))
             cal.level[target] = b
-            cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, c)}
+            cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, cg)}
             cal.counts[target] = {str(nm): int(v) for nm, v in zip(names, n_g)}
             cal.group_sd[target] = {str(nm): float(v) for nm, v in zip(names, tau_g)}
             # groups the prior knows on this GPU but the probes did not cover
-            for pair in known_pairs.get(key, ()):
+            for pair in known_pairs:
                 cal.group_sd[target].setdefault(pair, GROUP_SD_KNOWN)
             cal.sd[target] = math.sqrt(s2)
             cal.dof[target] = dof
-            cal.precision[target] = len(e) + s0**2 / tau_b**2
-        probed = [p for p, c in cal.counts.get("runtime", {}).items()
-                  if c >= MIN_PROBES_IN_DOMAIN]
-        if probed:
-            x = sizes[sel]
-            cal.domain = {"pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
-                          "size": [[float(x[:, i].min()), float(x[:, i].max())]
-                                   for i in range(x.shape[1])]}
+            cal.precision[target] = float(u.sum()) + s0**2 / tau_b**2
+            probed = [p for p, n in cal.counts[target].items() if n >= MIN_PROBES_IN_DOMAIN]
+            if probed:
+                x = sizes[sel][ok]
+                cal.domain[target] = {
+                    "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
+                    "size": [[float(x[:, i].min()), float(x[:, i].max())]
+                             for i in range(x.shape[1])]}
         out[info.uuid] = cal
-    del flags
     return out
 
 
 def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b: float,
-                    tau_g: np.ndarray, k: float = 1.345) -> tuple[float, np.ndarray]:
-    """Level b and group offsets c with e ~ b + c[gi] + noise: each shrunk toward 0 (the
-    prior) by its prior spread, and Huber-weighted, so that one launch-bound or thermally
-    throttled probe among five does not move a device's whole calibration."""
+                    tau_g: np.ndarray, u: np.ndarray | None = None,
+                    s0_g: np.ndarray | None = None, k: float = 1.345
+                    ) -> tuple[float, np.ndarray]:
+    """Level b and group offsets with e ~ b + cg[gi] + noise: each shrunk toward 0 (the
+    prior) by its prior spread, and Huber-weighted, so that one launch-bound or
+    thermally throttled probe among five does not move a device's whole calibration.
+    ``u``: each probe's weight in the level (1 / probes of its shape: the dtypes of one
+    shape share its error, they are one piece of evidence about the level, not
+    several). ``s0_g``: each group's prior scatter where it is not ``s0``."""
+    s0_g = np.full(groups, s0) if s0_g is None else s0_g
+    u = np.ones(len(e)) if u is None else u
     w = np.ones(len(e))
-    b, c = 0.0, np.zeros(groups)
+    b, cg = 0.0, np.zeros(groups)
     for _ in range(8):
         for _ in range(3):  # backfitting: the level, then the groups around it
-            b = float(np.sum(w * (e - c[gi])) / (w.sum() + s0**2 / tau_b**2))
-            c = np.bincount(gi, weights=w * (e - b), minlength=groups) / \
-                (np.bincount(gi, weights=w, minlength=groups) + s0**2 / tau_g**2)
-        r = e - b - c[gi]
+            wu = w * u
+            b = float(np.sum(wu * (e - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
+            cg = np.bincount(gi, weights=w * (e - b), minlength=groups) / \
+                (np.bincount(gi, weights=w, minlength=groups) + s0_g**2 / tau_g**2)
+        r = e - b - cg[gi]
         mad = 1.4826 * float(np.median(np.abs(r)))
         scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
         w = np.minimum(1.0, k * scale / np.maximum(np.abs(r), 1e-12))
-    return b, c
+    return b, cg
 
 
 class TransferModel:
     """A prior model of other GPUs, carried over to the devices of ``calibrations``.
 
-    Per device: without probes, the prior's prediction (an unknown GPU's level anchored,
-    see ForestModel.anchor_offsets); from one probe, the prior corrected by the device's
-    calibration (a device-wide offset, then per dtype/kernel, shrunk toward the prior
-    while probes are few); from MIN_SELECT probes on, per target, a recipe chosen by
-    cross-validation over the probes (grouped by shape): by default "few" (extremely
-    randomized trees on the device's own probes), or the calibrated prior
-    ("calibrated") where the prior knows the GPU model; from MIN_OVERRIDE probes on,
-    whichever of those, the calibrated prior plus trees on what it leaves unexplained
-    ("residual") or gemmd's forest on the probes ("own") beats the default by SELECT_SE
-    standard errors. A dtype/kernel the device has no probe of is predicted by the
-    calibrated prior whatever the recipe. Same interface as ForestModel (predict,
-    predict_table).
+    Per device: without probes, the prior's prediction (an unknown GPU carried over as
+    leave-one-GPU-out chose, ForestModel.transfer_runtime); from one probe, the prior
+    corrected by the device's calibration (a device-wide offset, then per dtype/kernel,
+    shrunk toward the prior by the pseudo-count validation chose: calibrate); from
+    MIN_SELECT probes, a cross-validation over the probes (grouped by shape) that may
+    widen the calibrated prior's interval; from MIN_OVERRIDE probes, per target, the
+    recipe it finds better than the calibrated prior by SELECT_SE standard errors: the
+    few-probe trees ("few"), a blend of them with the calibrated prior ("blend"), the
+    calibrated prior plus trees on what it leaves unexplained ("residual") or gemmd's
+    forest on the probes ("own"). A dtype/kernel the device has no probe of is predicted
+    by the calibrated prior whatever the recipe, a kernel the prior never saw by the trees
+    from MIN_GROUP_PROBES of it. Inside the physical bounds (gemmd.bounds). Same interface
+    as ForestModel (predict, predict_table).
     """
 
     kind = "transfer"
@@ -1349,7 +1782,8 @@ class TransferModel:
                  residual: dict[str, tuple[Any, float]] | None = None,
                  cv_scale: dict[str, float] | None = None, meta: dict[str, Any] | None = None,
                  few: dict[str, tuple[Any, float]] | None = None,
-                 probe_domain: dict[str, Any] | None = None):
+                 probe_domain: dict[str, Any] | None = None,
+                 few_groups: dict[str, list[str]] | None = None):
         self.prior = prior
         self.calibrations = calibrations
         self.choice = choice or {}
@@ -1359,6 +1793,11 @@ class TransferModel:
         self.few = few or {}  # on the probes' model space
         self.cv_scale = cv_scale or {}  # per target: the chosen recipe's interval factor
         self.probe_domain = probe_domain  # domain_record of the probes
+        # per target: probed dtype/kernel groups whose kernel the prior never saw (its
+        # prediction there is the roofline estimate, with no shape at all): the
+        # few-probe trees predict them whatever the recipe (unknown_kernel_groups)
+        self.few_groups = few_groups or {}
+        self.blend: dict[str, float] = {}  # per target choosing "blend": the trees' weight
         self.z = prior.z
         self.meta = {**prior.meta, **(meta or {})}
         self.version = f"{prior.version}+cal"
@@ -1383,7 +1822,8 @@ class TransferModel:
         n = len(t)
         choice = {tg: "calibrated" for tg in TARGETS}
         cv_scale: dict[str, float] = {}
-        meta: dict[str, Any] = {"transfer": {"probes": n, "devices": sorted(cals)}}
+        meta: dict[str, Any] = {"transfer": {"probes": n, "devices": sorted(cals)},
+                                "probe_configs": _configs(t)}
         devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
         if not select or n < MIN_SELECT:
             out = cls(prior, cals, choice, meta=meta)
@@ -1400,22 +1840,29 @@ class TransferModel:
                 own = ForestModel.fit_table(t, icfg, n_jobs=n_jobs)
             except ModelError:
                 own = None
-        wanted = {c: [tg for tg, x in choice.items() if x == c] for c in ("few", "residual")}
+        few_groups = unknown_kernel_groups(prior, t)
+        wanted = {c: [tg for tg, x in choice.items() if x == c or (
+            c == "few" and (tg in few_groups or x == "blend"))] for c in ("few", "residual")}
         few = _fit_trees(t, cfg, wanted["few"], n_jobs=n_jobs) if wanted["few"] else {}
         residual = _fit_trees(t, cfg, wanted["residual"], _calibrated_logs(prior, cals, t),
                               n_jobs) if wanted["residual"] else {}
-        few, residual = ({tg: (et, math.hypot(noise, sub[tg][name].get("floor", 0.0)))
+        few, residual = ({tg: (et, math.hypot(noise, sub.get(tg, {}).get(name, {}).get(
+                              "floor", 0.0)))
                           for tg, (et, noise) in trees.items()}
                          for name, trees in (("few", few), ("residual", residual)))
         for target, c in choice.items():
             if (c == "own" and (own is None or target not in own.forests)) or \
                     (c == "residual" and target not in residual) or \
-                    (c == "few" and target not in few):
+                    (c in ("few", "blend") and target not in few):
                 choice[target] = "calibrated"
                 cv_scale[target] = sub.get(target, {}).get("calibrated", {}).get("scale", 1.0)
         meta["transfer"]["choice"] = dict(choice)
+        few_groups = {tg: g for tg, g in few_groups.items() if tg in few}
+        meta["transfer"]["few_groups"] = few_groups
         out = cls(prior, cals, choice, own if "own" in choice.values() else None, residual,
-                  cv_scale, meta, few, domain_record(t))
+                  cv_scale, meta, few, domain_record(t), few_groups)
+        out.blend = {tg: float(sub[tg]["blend"]["weight"]) for tg, c in choice.items()
+                     if c == "blend"}
         out.devices = devices
         return out
 
@@ -1425,10 +1872,10 @@ class TransferModel:
         """Cross-validation over the probes, grouped by shape (the recipes fitted without a
         fold have seen none of its shapes): per target and recipe, the mean absolute
         percentage error of the out-of-fold predictions ("err"), their number ("n") and
-        the interval "scale" that makes the nominal share of them covered; and per target
-        the recipe chosen: DEFAULT_CHOICE (the calibrated prior where the prior knows
-        every probed device's GPU model) unless, from MIN_OVERRIDE probes, another has a
-        lower error by SELECT_SE standard errors of the paired difference."""
+        the interval "scale" that makes the nominal share of them covered (never below
+        1); for "blend", the best of BLEND_WEIGHTS ("weight"); and per target the recipe
+        chosen: DEFAULT_CHOICE unless, from MIN_OVERRIDE probes, another has a lower error
+        by SELECT_SE standard errors of the paired difference."""
         from sklearn.model_selection import GroupKFold
 
         if len(t) > CV_MAX_ROWS:
@@ -1441,7 +1888,8 @@ class TransferModel:
         icfg = dataclasses.replace(cfg, min_samples=2, n_estimators=min(cfg.n_estimators, 50))
         z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
         # recipe -> target -> (log point, log sd) per row, NaN where not predicted
-        pred: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {c: {} for c in CHOICES}
+        pred: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {
+            c: {} for c in CHOICES if c != "blend"}
         for train, test in GroupKFold(folds).split(np.zeros(len(t)), groups=gid):
             tr, te = t.take(train), t.take(test)
             base = cls.fit(prior, tr, cfg, select=False)
@@ -1455,6 +1903,10 @@ class TransferModel:
             few = _fit_trees(tr, icfg, list(prior.forests), n_jobs=n_jobs)
             recipes["few"] = cls(prior, cals, dict.fromkeys(few, "few"), few=few,
                                  probe_domain=dom)
+            fg = {tg: g for tg, g in unknown_kernel_groups(prior, tr).items() if tg in few}
+            if fg:  # the calibrated prior as served: few-probe trees where it has no shape
+                recipes["calibrated"] = cls(prior, cals, few=few, probe_domain=dom,
+                                            few_groups=fg)
             if len(tr) >= MIN_RESIDUAL:
                 res = _fit_trees(tr, icfg, list(prior.forests),
                                  _calibrated_logs(prior, cals, tr), n_jobs)
@@ -1468,6 +1920,21 @@ class TransferModel:
                     p[1][test] = (np.log(r["hi"]) - np.log(r["point"])) / z
         out: dict[str, dict[str, dict[str, float]]] = {}
         apes: dict[str, dict[str, np.ndarray]] = {}
+        for target in pred["few"]:
+            if target not in pred["calibrated"]:
+                continue
+            (mc, sc), (mf, sf) = pred["calibrated"][target], pred["few"][target]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                y = np.log(t[COLUMN[target]])
+            err_f = np.abs(y - mf)
+            err_f = err_f[np.isfinite(err_f)]
+            if err_f.size < MIN_SELECT:
+                continue
+            floor = 1.4826 * float(np.median(err_f))
+            sf = np.hypot(sf, floor)
+            for lam in BLEND_WEIGHTS:
+                pred.setdefault(f"blend:{lam:g}", {})[target] = (
+                    (1 - lam) * mc + lam * mf, np.sqrt((1 - lam) * sc**2 + lam * sf**2))
         for name, per in pred.items():
             for target, (mu, sd) in per.items():
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -1477,13 +1944,18 @@ class TransferModel:
                     continue
                 err = np.abs(y[ok] - mu[ok])
                 rec: dict[str, float] = {}
-                sdv, lo, hi = sd[ok], 0.5, 4.0
+                # Out-of-fold hits of a few probes widen an interval, they do not narrow
+                # it: the calibrated prior's is a posterior one, the trees' is at least
+                # the typical out-of-fold error (from 5 probes, a factor of 0.72 took a
+                # synthetic H100's coverage to 73%; from 20 of the shared data's H100,
+                # factors below 1 to 74-81%)
+                sdv, lo, hi = sd[ok], 1.0, 4.0
                 if name in ("few", "residual"):
                     # The trees' spread vanishes on a configuration they were fitted on,
                     # and without repeats the noise of a measurement is unknown: a floor
                     # of the typical out-of-fold error (as the forests' OOB residual).
                     rec["floor"] = float(1.4826 * np.median(err))
-                    sdv, lo, hi = np.hypot(sdv, rec["floor"]), 0.25, 8.0
+                    sdv, hi = np.hypot(sdv, rec["floor"]), 8.0
                 q = conformal_quantile(err / np.maximum(sdv, 1e-9), cfg.interval) / z
                 ape = np.full(len(t), np.nan)
                 ape[ok] = np.abs(np.expm1(mu[ok] - y[ok]))  # what MAPE averages
@@ -1491,10 +1963,16 @@ class TransferModel:
                 out.setdefault(target, {})[name] = {"err": float(np.nanmean(ape)),
                                                     "scale": float(np.clip(q, lo, hi)),
                                                     "n": int(ok.sum()), **rec}
-        known = set((prior.meta.get("domain") or {}).get("gpus", {}))
-        default = "calibrated" if {gpu_model_key(d) for j, d in enumerate(t.devices)
-                                   if (t.device == j).any()} <= known else DEFAULT_CHOICE
-        picked = {target: _select(errs, default, override=len(t) >= MIN_OVERRIDE)
+        for target, recs_ in out.items():  # the blend: its best weight only
+            blends = [n for n in recs_ if n.startswith("blend:")]
+            if blends:
+                best = min(blends, key=lambda n: recs_[n]["err"])
+                recs_["blend"] = {**recs_[best], "weight": float(best.split(":")[1])}
+                apes[target]["blend"] = apes[target][best]
+            for n in blends:
+                del recs_[n]
+                del apes[target][n]
+        picked = {target: _select(errs, DEFAULT_CHOICE, override=len(t) >= MIN_OVERRIDE)
                   for target, errs in apes.items()}
         return out, picked
 
@@ -1518,12 +1996,18 @@ class TransferModel:
             return {}
         logs, flags0 = self.prior.prior_logs(t)
         cals = [self.calibration_of(d) for d in t.devices]
-        extra = {c.gpu: c.domain for c in cals if c is not None and c.domain}
-        flags = domain_flags(self.prior.meta.get("domain"), t, extra) if extra else flags0
+        extra: dict[str, dict[str, Any]] = {}
+        for cal_ in cals:
+            if cal_ is not None:
+                for target, dom in cal_.domain.items():
+                    extra.setdefault(target, {})[cal_.gpu] = dom
+        flags = self.prior.target_flags(t, extra) if extra else flags0
         groups = _groups(t)
         zrow = np.full(len(t), self.z)
         has = np.array([c is not None for c in cals])[t.device]
         used = {self.choice.get(tg, "calibrated") for tg in logs} if has.any() else set()
+        if has.any() and (self.few_groups or "blend" in used):
+            used.add("few")
         out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         own_res = self.own.predict_table(t) if self.own is not None and "own" in used else {}
         res_logs = self._tree_logs("residual", self.residual, t) if "residual" in used else {}
@@ -1532,36 +2016,56 @@ class TransferModel:
         near = domain_flags(self.probe_domain, t)["size"] if self.probe_domain and \
             "few" in used else np.zeros(len(t))
         q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
+        recs = self.prior.meta.get("domain_targets") or {}
         for target, (mu, sd) in logs.items():
-            mu, sd = mu.copy(), widen(target, sd, flags0)
+            tau = self.prior.ood_sd(target)
+            kernels = set((recs.get(target) or self.prior.meta.get("domain") or {}).get(
+                "kernels", []))
+            mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau)
             choice = self.choice.get(target, "calibrated")
-            size_sd = OOD_SD.get(target, OOD_SD["runtime"])["size"]
+            size_sd = tau["size"]
+            fl = flags[target]
             scale = self.cv_scale.get(target, 1.0)
             for j, cal in enumerate(cals):
                 sel = t.device == j
                 if cal is None or target not in cal.level or not sel.any():
                     continue
                 idx = np.flatnonzero(sel)
-                # the device's own data only speak for the dtypes/kernels they cover
-                probed = np.array([cal.counts.get(target, {}).get(g, 0) > 0
+                # the device's own data only speak for the dtypes/kernels they cover, and
+                # for a kernel the prior never saw only from MIN_GROUP_PROBES: trees on a
+                # few probes of it, set beside the others, give all its rows those
+                # probes' level (GPPerf's tiled kernel: one probe among 50 of CUTLASS,
+                # its other shapes 140x off)
+                need = {g: MIN_GROUP_PROBES if g.split("/")[1] not in kernels else 1
+                        for g in set(groups[idx])}
+                probed = np.array([cal.counts.get(target, {}).get(g, 0) >= need[g]
                                    for g in groups[idx]])
                 if choice == "own" and target in own_res:
                     r, i = own_res[target], idx[probed]
                     mu[i], sd[i], zrow[i] = np.log(r["point"][i]), r["sigma"][i] * scale, q
                     idx = idx[~probed]
-                elif choice == "few" and target in few_logs:
-                    i = idx[probed]
+                elif target in few_logs and (choice == "few" or target in self.few_groups):
+                    mine = probed.copy()
+                    if choice != "few":  # only the groups the prior has no shape for
+                        mine &= np.isin(groups[idx], self.few_groups[target])
+                    i = idx[mine]
                     fm, fs = few_logs[target]
                     mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
                     sd[i] = np.sqrt(fs[i] ** 2 + (size_sd * near[i]) ** 2) * scale
                     zrow[i] = q
-                    idx = idx[~probed]
+                    idx, probed = idx[~mine], probed[~mine]
+                blend = choice == "blend" and target in few_logs and target in self.blend
+                if blend:  # the trees' prediction for the probed rows, blended below
+                    b_rows = idx[probed]
+                    fm, fs = few_logs[target]
+                    b_mu = np.log(from_model_space(target, t.take(b_rows), fm[b_rows]))
+                    b_sd = np.sqrt(fs[b_rows] ** 2 + (size_sd * near[b_rows]) ** 2)
                 if not len(idx):
                     continue
                 off = np.array([cal.offset(target, g) for g in groups[idx]])
                 var = np.array([cal.variance(target, g) for g in groups[idx]])
                 mu[idx] += off
-                extra_sz = (size_sd * flags["size"][idx]) ** 2
+                extra_sz = (size_sd * _size_d(fl["size"][idx])) ** 2
                 if choice == "residual" and target in res_logs:
                     i = np.flatnonzero(probed)
                     rm, rs = res_logs[target]
@@ -1576,11 +2080,19 @@ class TransferModel:
                 sd[idx] = np.sqrt(var + extra_sz) * c
                 zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
                     self.meta.get("interval", 0.9)) / 2)
+                if blend and len(b_rows):
+                    lam = self.blend[target]
+                    own_sd = np.sqrt(var + extra_sz)[np.isin(idx, b_rows)]
+                    mu[b_rows] = (1 - lam) * mu[b_rows] + lam * b_mu
+                    sd[b_rows] = np.sqrt((1 - lam) * own_sd**2 + lam * b_sd**2) * scale
+                    zrow[b_rows] = q
             out[target] = (mu, sd)
         if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
-        return result(out, flags, zrow)
+        res = result(out, {tg: flags.get(tg, flags["runtime"]) for tg in out}, zrow)
+        bounds.clip(res, t)
+        return res
 
     def _tree_logs(self, kind: str, trees: dict[str, tuple[Any, float]], t: Table
                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -1600,6 +2112,27 @@ class TransferModel:
             out[target] = (per_tree.mean(axis=0),
                            np.maximum(np.sqrt(per_tree.std(axis=0) ** 2 + noise**2), MIN_SD))
         return out
+
+
+def unknown_kernel_groups(prior: ForestModel, t: Table) -> dict[str, list[str]]:
+    """Per prior target: the dtype/kernel groups of ``t``'s measured rows whose kernel
+    the prior was never trained on (for that target), with MIN_GROUP_PROBES rows (trees
+    on fewer probes of a kernel whose efficiency spans decades, GPPerf's tiled one, were
+    off by up to 45x)."""
+    recs = prior.meta.get("domain_targets") or {}
+    if len(t) < MIN_OVERRIDE:
+        return {}
+    groups = _groups(t)
+    out = {}
+    for target in prior.forests:
+        known = set((recs.get(target) or prior.meta.get("domain") or {}).get("kernels", []))
+        ok = np.isfinite(t[COLUMN[target]])
+        names_, counts = np.unique(groups[ok].astype(str), return_counts=True)
+        names = [str(g) for g, c in zip(names_, counts)
+                 if g.split("/")[1] not in known and c >= MIN_GROUP_PROBES]
+        if names:
+            out[target] = names
+    return out
 
 
 def _select(apes: Mapping[str, np.ndarray], default: str = DEFAULT_CHOICE,

@@ -65,10 +65,13 @@ def test_import_fit_predict_advise(capsys, env):
     assert rc == 0
     res = json.loads(out)
     truth = 2 * 1024**3 / (PEAK * 0.15)
-    assert res["runtime"]["value"] == pytest.approx(truth, rel=0.15)
-    assert res["runtime"]["lo"] < res["runtime"]["value"] < res["runtime"]["hi"]
-    assert res["energy"]["value"] == pytest.approx(res["power"]["value"] *
-                                                   res["runtime"]["value"], rel=1e-6)
+    # SI units, the unit in each key
+    assert res["runtime_s"]["value"] == pytest.approx(truth, rel=0.15)
+    assert res["runtime_s"]["lo"] < res["runtime_s"]["value"] < res["runtime_s"]["hi"]
+    assert res["energy_j"]["value"] == pytest.approx(res["power_w"]["value"] *
+                                                     res["runtime_s"]["value"], rel=1e-6)
+    assert res["in_domain"] is res["runtime_s"]["in_domain"] is True
+    assert "runtime" not in res and "power" not in res
     rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", *sd)
     assert rc == 0 and "runtime" in out and "TFLOP/s" in out and "[" in out
     # The paper's finding as a tool: tile 16 is fastest, tile 32 draws the least power.
@@ -265,7 +268,9 @@ def test_predict_says_when_it_is_guessing(capsys, env):
                      "NVIDIA A100-SXM4-80GB", "--json", *sd)
     res = json.loads(out)
     assert rc == 0 and res["in_domain"] is False
-    assert res["domain"] == "no data on NVIDIA A100-SXM4-80GB"
+    assert res["domain"] == "no data on NVIDIA A100-SXM4-80GB; no power data on NVIDIA " \
+                            "A100-SXM4-80GB"
+    assert res["runtime_s"]["domain"] == "no data on NVIDIA A100-SXM4-80GB"
     rc, out, _ = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "fp32", "--kernel",
                      "tiled", "--tile", "16", "--model", str(tmp / "m.skops"), "--gpu", "t4",
                      *sd)
@@ -286,6 +291,16 @@ def test_predict_says_when_it_is_guessing(capsys, env):
     res = json.loads(out)
     assert rc == 0 and res["device"] == "NVIDIA L4" and res["in_domain"] is True
     assert "calibrated on 12 rows" in res["model"]
+    # advise agrees: the configurations the probes ran on this GPU, in the domain
+    rc, out, _ = run(capsys, "advise", "1024", "1024", "1024", "--model",
+                     str(tmp / "m.skops"), "--calibrate", str(probes), "--json", *sd)
+    adv = json.loads(out)
+    assert rc == 0 and adv["in_domain"] is True and adv["domain"] == ""
+    assert adv["configurations_from_other_gpus"] is False
+    rc, out, _ = run(capsys, "advise", "1024", "1024", "1024", "--model",
+                     str(tmp / "m.skops"), "--calibrate", str(probes), *sd)
+    assert rc == 0 and "no configuration was measured" not in out
+    assert "outside the training data" not in out
 
 
 def test_export_then_import_elsewhere(capsys, env, tmp_path):
@@ -337,8 +352,8 @@ def test_predict_and_advise_use_the_roofline_until_a_model_is_fitted(capsys, env
     assert res["model"] == "roofline" and res["model_kind"] == "roofline"
     assert res["device"] == "NVIDIA GeForce RTX 4070" and res["in_domain"] is False
     roofline = max(2 * 1024**3 / PEAK, 4 * 3 * 1024**2 / BW)
-    assert res["runtime"]["value"] == pytest.approx(roofline / 0.7, rel=1e-6)  # efficiency
-    assert "power" not in res and "energy" not in res
+    assert res["runtime_s"]["value"] == pytest.approx(roofline / 0.7, rel=1e-6)  # efficiency
+    assert "power_w" not in res and "energy_j" not in res
     rc, out, _ = run(capsys, "predict", *gemm, *sd)
     assert rc == 0 and "(roofline estimate: no fitted model yet)" in out
     assert "power    - (the roofline estimate has no power data)" in out
@@ -363,7 +378,7 @@ def test_predict_and_advise_use_the_roofline_until_a_model_is_fitted(capsys, env
     rc, out, _ = run(capsys, "predict", *gemm, "--json", *sd)
     res = json.loads(out)
     assert rc == 0 and res["model"] == "rf-1" and res["model_kind"] == "random_forest"
-    assert "power" in res
+    assert "power_w" in res
 
 
 def test_predict_without_a_store_is_the_roofline_for_a_named_gpu(capsys, env):
@@ -430,3 +445,50 @@ def test_a_closed_stdout_ends_without_a_traceback(tmp_path):
     finally:
         os.close(write)
     assert r.returncode == 1 and r.stderr == ""
+
+
+# ------------------------------------------------------------------ issue 25
+
+
+def test_evaluate_a_fitted_model_without_refitting(capsys, env, tmp_path):
+    tmp, f, sd = env
+    assert run(capsys, "fit", str(f), "--out", str(tmp / "m.skops"), *sd)[0] == 0
+    other = tmp / "other.csv"
+    make_csv(other, n=60, seed=7)
+    rc, out, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(other),
+                       "--json", *sd)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert set(res["splits"]) == {"model"} and res["rows"] == 60
+    m = res["splits"]["model"]["gemmd"]["targets"]["runtime"]
+    assert m["n"] == 60 and m["mape"] < 0.1 and m["in_domain"] > 0.9  # some sizes beyond
+    assert {"median_ape", "p90_ape", "coverage", "r2"} <= set(m)
+    # another GPU's first probes: as it is, then carried over by 5 and 20 rows
+    l4 = tmp / "l4.csv"
+    make_csv(l4, n=80, seed=8)
+    l4.write_text(l4.read_text().replace("rtx4070", "NVIDIA L4"))
+    rc, out, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
+                       "--calibrate-rows", "5,20", "--seeds", "2", "--json", *sd)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert list(res["splits"]) == ["model", "5 rows", "20 rows"] and res["seeds"] == 2
+    assert res["splits"]["model"]["gemmd"]["targets"]["runtime"]["in_domain"] == 0.0
+    five = res["splits"]["5 rows"]
+    assert five["calibration_rows"] == 5 and five["test_rows"] < 80
+    rc, out, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
+                       "--calibrate", str(l4), *sd)
+    assert rc == 0, err
+    assert "calibrated on 80 rows" in out and "IN DOMAIN" in out
+    # what does not go together
+    for argv, gist in ((["--calibrate-rows", "5"], "give --model FILE"),
+                       (["--model", str(tmp / "m.skops"), "--split", "shape"],
+                        "--split and --baseline refit"),
+                       (["--model", str(tmp / "m.skops"), "--seeds", "2"],
+                        "--seeds is the number of draws"),
+                       (["--model", str(tmp / "m.skops"), "--calibrate-rows", "5",
+                         "--calibrate", str(l4)], "not both")):
+        rc, _, err = run(capsys, "evaluate", str(l4), *argv, *sd)
+        assert rc == 2 and gist in err and err.count("\n") == 1, err
+    rc, _, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
+                     "--calibrate-rows", "79", *sd)
+    assert rc == 1 and "too many for the data" in err and err.count("\n") == 1

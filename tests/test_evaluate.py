@@ -7,6 +7,7 @@ import pytest
 
 from gemmd import datasets, evaluate
 from gemmd.config import ModelConfig
+from gemmd.errors import InputError
 from gemmd.features import Table
 
 RTX = datasets.KNOWN_GPUS["rtx4070"]
@@ -94,3 +95,48 @@ def test_gemmd_beats_gpperf_on_its_own_cutlass_data():
     r = res["splits"]["random"]
     assert r["gemmd"]["targets"]["runtime"]["mape"] < 0.5 * \
         r["gpperf"]["targets"]["runtime"]["mape"]
+
+
+# ------------------------------------------------------------------ a fitted model (issue 25)
+
+
+def test_calibration_split_keeps_shapes_apart_and_draws_one_row_per_shape():
+    t = synthetic(n_shapes=24, repeats=3)
+    key = lambda i: (t["m"][i], t["n"][i], t["k"][i])  # noqa: E731
+    for rows in (0, 1, 5, 18, 30):
+        cal, test = evaluate.calibration_split(t, rows, seed=3)
+        assert len(cal) == rows and len(test) > 0
+        assert {key(i) for i in cal}.isdisjoint({key(i) for i in test})
+        shapes = [key(i) for i in cal]
+        if rows <= 18:  # one row per shape while at most 75% of the shapes are drawn
+            assert len(set(shapes)) == rows
+        else:  # then a second row of each
+            assert len(set(shapes)) == 18
+    again = evaluate.calibration_split(t, 5, seed=3)
+    assert (again[0] == evaluate.calibration_split(t, 5, seed=3)[0]).all()
+    assert not (again[0] == evaluate.calibration_split(t, 5, seed=4)[0]).all()
+    with pytest.raises(InputError, match="too many for the data"):
+        evaluate.calibration_split(t, 60, seed=0)
+
+
+def test_evaluate_model_judges_without_refitting():
+    from gemmd.model import ForestModel
+
+    t = synthetic(n_shapes=30, repeats=2)
+    model = ForestModel.fit_table(t, ModelConfig(min_samples=2, n_estimators=20))
+    l4 = datasets.KNOWN_GPUS["l4"]
+    other = synthetic(n_shapes=30, repeats=2, seed=5)
+    other = Table(other.cols, [l4], other.device)
+    res = evaluate.evaluate_model(model, other, cfg=ModelConfig(min_samples=2,
+                                                                n_estimators=20),
+                                  calibrate_rows=[0, 5], seeds=2, calibrate=other.take(
+                                      np.arange(6)))
+    assert list(res["splits"]) == ["model", "calibrated on 6 rows", "0 rows", "5 rows"]
+    model_fig = res["splits"]["model"]["gemmd"]["targets"]["runtime"]
+    assert model_fig["in_domain"] == 0.0 and {"mape", "median_ape", "p90_ape",
+                                               "coverage"} <= set(model_fig)
+    assert res["splits"]["0 rows"]["gemmd"]["targets"]["runtime"]["mape"] == \
+        pytest.approx(model_fig["mape"])
+    five = res["splits"]["5 rows"]
+    assert five["calibration_rows"] == 5 and five["test_rows"] < len(other)
+    assert five["gemmd"]["targets"]["runtime"]["in_domain"] > 0  # fp32/blas: 5 probes

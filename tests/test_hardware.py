@@ -157,3 +157,58 @@ def test_gpu_spec_files_are_read_as_carefully_as_the_config(tmp_path, make, gist
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+# ------------------------------------------------------------------ physics bounds (issue 25)
+
+# The first real GPU run (bench/results/2026-11-26-h200, 8192^3 and 4096^3, cuBLAS through
+# gemmd's probes, torch and CuPy): the most any dtype reached, TFLOP/s, at the 700 W cap.
+H200_MEASURED_TFLOPS = {"fp64": 55.0, "fp32": 51.4, "tf32": 360.0, "fp16": 682.0,
+                        "bf16": 693.0}
+
+
+def test_the_h200_of_bench_results_never_beats_its_catalogued_peaks():
+    """The catalogue's peaks bound what the model may predict: they must bound what the
+    hardware did (a bound below a real measurement would make every such prediction
+    wrong)."""
+    spec = CATALOGUE.lookup("NVIDIA H200")
+    assert spec is not None and spec.key == "h200" and spec.power_w == 700
+    for dtype, tflops in H200_MEASURED_TFLOPS.items():
+        assert tflops < spec.peak_tflops[dtype], dtype
+        assert tflops / spec.peak_tflops[dtype] > 0.5, dtype  # and not far below them
+
+
+def test_bounds_clip_points_and_intervals_and_leave_the_cpu_alone():
+    import numpy as np
+
+    from gemmd import bounds, datasets
+    from gemmd.features import Table, roofline
+
+    h100 = datasets.KNOWN_GPUS["h100-sxm"]
+    cpu = DeviceInfo(index=0, uuid="CPU-x", name="a CPU", backend="cpu",
+                     peak_flops={"fp32": 1e12}, mem_bandwidth=1e10, power_limit_w=100.0)
+    t = Table.from_rows([{"m": 4096, "n": 4096, "k": 4096, "dtype": "bf16"}] * 2,
+                        [h100, cpu])
+    floor = bounds.runtime_floor(t)
+    assert floor[0] == pytest.approx(roofline(t)[0]) and floor[1] == 0.0
+    out = {"runtime": {"point": np.array([1e-6, 1e-6]), "lo": np.array([1e-7, 1e-7]),
+                       "hi": np.array([2e-6, 2e-6])},
+           "power": {"point": np.array([900.0, 900.0]), "lo": np.array([1.0, 1.0]),
+                     "hi": np.array([1e4, 1e4])},
+           "energy": {"point": np.array([5.0, 5.0]), "lo": np.array([0.0, 0.0]),
+                      "hi": np.array([6.0, 6.0])}}
+    bounds.clip(out, t)
+    rt, pw, en = out["runtime"], out["power"], out["energy"]
+    assert rt["point"][0] == rt["lo"][0] == rt["hi"][0] == pytest.approx(floor[0])
+    assert pw["point"][0] == 700 and pw["lo"][0] == pytest.approx(28.0)
+    assert pw["hi"][0] == pytest.approx(700 * (1 + bounds.LIMIT_TOLERANCE))
+    assert en["point"][0] == pytest.approx(700 * rt["point"][0])  # at most limit x runtime
+    assert en["lo"][0] <= en["point"][0] <= en["hi"][0]
+    assert en["lo"][0] >= 28.0 * floor[0] * (1 - 1e-9)
+    # the CPU backend's figures are estimates, not bounds: left as predicted
+    assert rt["point"][1] == 1e-6 and pw["point"][1] == 900.0
+    # measurements that break the bounds are named (bad data, or L2-resident operands)
+    t.cols["runtime_s"] = np.array([floor[0] / 2, 1.0])
+    t.cols["power_w"] = np.array([800.0, 5.0])
+    v = bounds.violations(t)
+    assert v["runtime"].tolist() == [True, False] and v["power"].tolist() == [True, False]

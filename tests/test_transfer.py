@@ -6,17 +6,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemmd import datasets, features
+from gemmd import bounds, datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import (
+    BLEND_WEIGHTS,
     CHOICES,
     LAUNCH_S,
+    LEVEL_N0_GRID,
     MODEL_FORMAT,
+    TRANSFER_GRID,
     ForestModel,
     RooflinePredictor,
     TransferModel,
+    _fit_trees,
     _select,
     calibrate,
 )
@@ -71,14 +75,20 @@ def test_an_unknown_gpu_is_marked_and_its_interval_widened(prior):
     assert set(res["domain"]) == {"no data on NVIDIA H100 80GB HBM3"}
     own = prior.predict_table(rows(A100, 300, 2, 0.8, ("bf16", "fp16")))["runtime"]
     assert np.median(res["sigma"]) > 3 * np.median(own["sigma"])
-    assert coverage({"runtime": res}, test) >= 0.7  # 0.74 here; 87-100% on the shared data
-    # the level of an unknown GPU is the roofline estimate's, not the A100's
+    # 0.68 here, where efficiency spans 20x with size and the estimate has no shape;
+    # 90-97% left out of the shared data's multi-GPU priors (bench/RESULTS.md)
+    assert coverage({"runtime": res}, test) >= 0.6
+    # one GPU model in training: no evidence of how its level or shape carry over, so an
+    # unknown GPU gets the roofline estimate (with a launch), never worse than it
+    assert prior.meta["logo"] == {} and prior.transfer_setting() == (0, 0)
     roof = RooflinePredictor(CFG.roofline_efficiency)
     r = np.array([p.runtime_s for p in roof.predict(
         [ProbeSpec(int(a), int(b), int(c), str(d)) for a, b, c, d in
          zip(test["m"], test["n"], test["k"], test["dtype"])], [H100] * len(test))])
-    assert mape({"runtime": res}, test) < np.mean(np.abs(r - test["runtime_s"]) /
-                                                  test["runtime_s"])
+    assert np.allclose(res["point"], (features.roofline(test) + LAUNCH_S) /
+                       CFG.roofline_efficiency)
+    assert mape({"runtime": res}, test) <= np.mean(np.abs(r - test["runtime_s"]) /
+                                                   test["runtime_s"])
     (p,) = prior.predict([ProbeSpec(4096, 4096, 4096, "bf16")], [H100])
     assert p.in_domain is False and "H100" in p.domain
     (q,) = prior.predict([ProbeSpec(4096, 4096, 4096, "bf16")], [A100])
@@ -141,7 +151,8 @@ def test_with_many_probes_the_better_recipe_is_chosen(prior):
     own = ForestModel.fit_table(probes, CFG)
     assert mape(tm.predict_table(test), test) <= 1.25 * mape(own.predict_table(test), test)
     cv = tm.meta["transfer"]["cv"]["runtime"]
-    assert set(cv) == {"calibrated", "residual", "own", "few"} == set(CHOICES)
+    assert set(cv) == {"calibrated", "residual", "own", "few", "blend"} == set(CHOICES)
+    assert cv["blend"]["weight"] in BLEND_WEIGHTS
     assert coverage(tm.predict_table(test), test) >= 0.75
 
 
@@ -201,15 +212,17 @@ def test_the_default_recipe_is_replaced_only_by_a_clear_win():
     few = np.abs(rng.normal(0.2, 0.05, 20))
     # better on average but within the noise of 20 probes: the default stays
     noisy = few + rng.normal(-0.01, 0.2, 20)
-    assert _select({"few": few, "calibrated": np.abs(noisy)}) == "few"
+    assert _select({"few": few, "calibrated": np.abs(noisy)}, "few") == "few"
+    assert _select({"calibrated": few, "few": np.abs(noisy)}) == "calibrated"
     # better on every probe: replaced, by the best of the clear winners
-    assert _select({"few": few, "calibrated": few * 0.5, "own": few * 0.8}) == "calibrated"
+    assert _select({"few": few, "calibrated": few * 0.5, "own": few * 0.8}, "few") == \
+        "calibrated"
     # probes a recipe could not predict (NaN) are left out of the paired difference
     own = few * 0.5
     own[:3] = np.nan
-    assert _select({"few": few, "own": own}) == "own"
+    assert _select({"few": few, "own": own}, "few") == "own"
     # on too few probes (override=False) the default stays whatever the errors say
-    assert _select({"few": few, "calibrated": few * 0.5}, override=False) == "few"
+    assert _select({"few": few, "calibrated": few * 0.5}, "few", override=False) == "few"
     # a prior that knows the GPU model is the default
     assert _select({"few": np.abs(noisy), "calibrated": few}, "calibrated") == "calibrated"
     assert _select({"few": few * 0.5, "calibrated": few}, "calibrated") == "few"
@@ -226,3 +239,149 @@ def test_a_dtype_without_probes_is_predicted_by_the_calibrated_prior(prior):
     a, b = tm.predict_table(fp16)["runtime"], cal.predict_table(fp16)["runtime"]
     assert np.allclose(a["point"], b["point"])
     assert not a["in_domain"].any()
+
+
+# ------------------------------------------------------------------ issue 25
+
+L40S = datasets.KNOWN_GPUS["l40s"]
+B200 = datasets.KNOWN_GPUS["b200"]
+
+
+def with_power(t: Table, seed: int) -> Table:
+    """Power rising with efficiency toward the board limit (W), lognormal noise."""
+    rng = np.random.default_rng(seed)
+    eff = features.roofline(t) / t["runtime_s"]
+    lim = np.array([d.power_limit_w for d in t.devices])[t.device]
+    t.cols["power_w"] = lim * (0.25 + 0.6 * eff) * np.exp(rng.normal(0, 0.03, len(t)))
+    return t
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """A prior over three GPU models that share how efficiency changes with size, each at
+    its own level: leave-one-GPU-out has something to judge."""
+    return ForestModel.fit_table(features.concat([
+        rows(A100, 250, 20, 0.8, ("bf16", "fp16")), rows(L40S, 250, 21, 0.55, ("bf16", "fp16")),
+        rows(B200, 250, 22, 0.65, ("bf16", "fp16"))]), CFG)
+
+
+def test_leave_one_gpu_out_decides_how_an_unknown_gpu_is_predicted(fleet):
+    rec = fleet.meta["logo"]["runtime"]
+    assert sorted(rec["gpus"]) == ["a100-sxm-80gb", "b200", "l40s"]
+    assert (rec["w"], rec["a"]) in TRANSFER_GRID and fleet.transfer_setting() == (rec["w"],
+                                                                                 rec["a"])
+    # the shape carries over between these GPUs (the same size dependence), the roofline
+    # estimate has none: the validation finds that
+    assert rec["a"] > 0 and rec["scores"]["0,0"] > min(rec["scores"].values())
+    assert rec["level_n0"] in LEVEL_N0_GRID and rec["shape_sd"] > 0
+    test = rows(H100, 300, 23, 0.45, ("bf16", "fp16"))
+    res = fleet.predict_table(test)
+    roof = features.roofline(test) / CFG.roofline_efficiency
+    assert mape(res, test) < np.mean(np.abs(roof / test["runtime_s"] - 1))
+    assert not res["runtime"]["in_domain"].any()
+    assert 0.8 <= coverage(res, test) <= 1.0
+
+
+def test_no_prediction_is_faster_than_the_catalogued_peaks(tmp_path):
+    """A model fitted on measurements 3x faster than any GPU can run (bad data, or a GPU
+    the forest extrapolates to) still predicts every catalogued GPU at or above its
+    roofline, power within its board's limits and energy consistent with both."""
+    t = with_power(rows(A100, 200, 30, 0.8, ("bf16", "fp16", "fp32")), 31)
+    t.cols["runtime_s"] = t["runtime_s"] / 3.0
+    t.cols["power_w"] = t["power_w"] * 2.0  # over the 400 W limit
+    model = ForestModel.fit_table(t, CFG)
+    for key, info in datasets.KNOWN_GPUS.items():
+        recs = [{"m": m, "n": n, "k": k, "dtype": d} for d in info.peak_flops
+                for m, n, k in ((8192, 8192, 8192), (64, 8192, 8192), (1, 1, 1))]
+        q = Table.from_rows(recs, [info] * len(recs))
+        res = model.predict_table(q)
+        floor = bounds.runtime_floor(q)
+        assert (floor > 0).all(), key
+        for k in ("point", "lo", "hi"):
+            assert (res["runtime"][k] >= floor * (1 - 1e-12)).all(), (key, k)
+        lim = info.power_limit_w
+        assert (res["power"]["point"] <= lim * (1 + 1e-12)).all(), key
+        assert (res["power"]["point"] >= bounds.IDLE_SHARE * lim * (1 - 1e-12)).all(), key
+        assert (res["power"]["hi"] <= lim * (1 + bounds.LIMIT_TOLERANCE) + 1e-9).all(), key
+        e, rt = res["energy"]["point"], res["runtime"]["point"]
+        assert (e <= lim * rt * (1 + 1e-9)).all() and (e >= 0.04 * lim * rt * (1 - 1e-9)).all()
+        assert (res["energy"]["lo"] <= e).all() and (e <= res["energy"]["hi"]).all()
+    # the roofline estimate too, and a transfer model
+    roof = RooflinePredictor(CFG.roofline_efficiency)
+    (p,) = roof.predict([ProbeSpec(8192, 8192, 8192, "bf16")], [H100])
+    f = bounds.runtime_floor(Table.from_specs([ProbeSpec(8192, 8192, 8192, "bf16")], [H100]))
+    assert p.runtime_lo >= f[0] and p.runtime_s >= f[0]
+    tm = TransferModel.fit(model, with_power(rows(H100, 8, 32, 0.45), 33), CFG)
+    q = Table.from_rows([{"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16"}], [H100])
+    assert tm.predict_table(q)["runtime"]["lo"][0] >= bounds.runtime_floor(q)[0]
+
+
+def test_power_is_in_the_domain_only_where_power_was_measured():
+    """The issue's case: H100 rows without power next to A100 rows with it."""
+    a100 = with_power(rows(A100, 200, 40, 0.8), 41)
+    h100 = rows(H100, 200, 42, 0.45)
+    model = ForestModel.fit_table(features.concat([a100, h100]), CFG)
+    (p,) = model.predict([ProbeSpec(2048, 2048, 2048, "bf16")], [H100])
+    assert p.in_domain and p.target_in_domain("runtime")
+    assert not p.target_in_domain("power") and not p.target_in_domain("energy")
+    assert p.domains["power"] == "no power data on NVIDIA H100 80GB HBM3"
+    (q,) = model.predict([ProbeSpec(2048, 2048, 2048, "bf16")], [A100])
+    assert q.in_domain and q.target_in_domain("power") and q.target_in_domain("energy")
+    res = model.predict_table(h100)
+    assert res["runtime"]["in_domain"].all() and not res["power"]["in_domain"].any()
+    # the power interval of the H100 is widened as for a GPU never seen
+    own = model.predict_table(a100)["power"]["sigma"]
+    assert np.median(res["power"]["sigma"]) > 2 * np.median(own)
+
+
+def test_a_size_beyond_the_trained_range_is_flagged_and_covered():
+    """Trained on M <= 2048, asked about M = 4096 to 16384 (N, K, FLOPs in range): flagged,
+    and the interval widened by what extrapolation at fit time measured."""
+    rng = np.random.default_rng(50)
+    recs = [{"m": int(2 ** rng.integers(8, 15)), "n": int(2 ** rng.integers(8, 14)),
+             "k": int(2 ** rng.integers(8, 14)), "dtype": "bf16"} for _ in range(900)]
+    t = Table.from_rows(recs, [A100] * len(recs))
+    eff = 0.8 * (0.9 * (1 - np.exp(-features.flops(t) / 2**34)) + 0.05)
+    t.cols["runtime_s"] = (features.roofline(t) / eff + 4e-6) * np.exp(
+        rng.normal(0, 0.03, len(t)))
+    small, big = t.take(np.flatnonzero(t["m"] <= 2048)), t.take(np.flatnonzero(t["m"] > 2048))
+    model = ForestModel.fit_table(small, CFG)
+    assert "size" in model.meta["ood_sd"]["runtime"]
+    res = model.predict_table(big)["runtime"]
+    assert not res["in_domain"].any()
+    assert all("beyond the trained range" in r for r in res["domain"])
+    assert coverage({"runtime": res}, big) >= 0.8
+    inside = model.predict_table(small.take(np.arange(50)))["runtime"]
+    assert inside["in_domain"].all()
+
+
+def test_five_probes_are_never_worse_than_none(fleet):
+    """A new GPU at its own level: five probes (the mean over draws) improve on the prior,
+    and the calibrated intervals hold their share."""
+    test = rows(H100, 300, 60, 0.45, ("bf16", "fp16"))
+    base = mape(fleet.predict_table(test), test)
+    errs, covs = [], []
+    for seed in range(4):
+        tm = TransferModel.fit(fleet, rows(H100, 5, 61 + seed, 0.45, ("bf16", "fp16")), CFG)
+        res = tm.predict_table(test)
+        errs.append(mape(res, test))
+        covs.append(coverage(res, test))
+    assert np.mean(errs) <= base
+    assert 0.8 <= np.mean(covs) <= 1.0
+
+
+def test_a_blend_moves_from_the_calibrated_prior_toward_the_trees(prior):
+    """"blend": the calibrated prior and the few-probe trees averaged in log space."""
+    probes = rows(H100, 30, 70, 0.45)
+    tm = TransferModel.fit(prior, probes, CFG)
+    if "runtime" not in tm.few:  # trees for the blend, as fit makes them when chosen
+        tm.few.update(_fit_trees(probes, CFG, ["runtime"]))
+    test = rows(H100, 50, 71, 0.45)
+    pts = {}
+    for choice, weight in (("calibrated", None), ("few", None), ("blend", 0.25)):
+        tm.choice["runtime"] = choice
+        tm.blend = {"runtime": weight} if weight is not None else {}
+        pts[choice] = tm.predict_table(test)["runtime"]
+    expect = 0.75 * np.log(pts["calibrated"]["point"]) + 0.25 * np.log(pts["few"]["point"])
+    assert np.allclose(np.log(pts["blend"]["point"]), expect)
+    assert (pts["blend"]["lo"] < pts["blend"]["point"]).all()

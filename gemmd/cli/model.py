@@ -43,6 +43,7 @@ from gemmd.cli.context import (
 from gemmd.cli.output import Progress, fmt_value, json_default, num, pct, print_table
 from gemmd.config import Config
 from gemmd.errors import GemmdError, InputError
+from gemmd.gemm import COLUMN
 
 if TYPE_CHECKING:
     import numpy as np
@@ -98,10 +99,18 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from gemmd import evaluate
 
+    if args.model:
+        return _evaluate_model(args)
+    for opt, given in (("--calibrate", args.calibrate), ("--calibrate-rows",
+                                                        args.calibrate_rows),
+                       ("--seeds", args.seeds is not None)):
+        if given:
+            raise UsageError(f"{opt} judges a fitted model: give --model FILE")
     cfg = load_config(args)
     ds = load_dataset(args, cfg)
-    splits = evaluate.SPLITS if args.split == "both" else (args.split,)
-    baseline = args.baseline == "gpperf"
+    split = args.split or "both"
+    splits = evaluate.SPLITS if split == "both" else (split,)
+    baseline = (args.baseline or "gpperf") == "gpperf"
     bar = Progress(evaluate.work_units(ds.table, splits, baseline), "evaluating")
     try:
         res = evaluate.evaluate(ds.table, splits=splits, baseline=baseline, cfg=cfg.model,
@@ -114,6 +123,72 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         return 0
     print_evaluation(res)
     return 0
+
+
+def _evaluate_model(args: argparse.Namespace) -> int:
+    """gemmd evaluate --model FILE [--calibrate FILE | --calibrate-rows N [--seeds S]]:
+    a fitted model judged on the data as it is, carried over by a device's probes, or
+    by N rows of the data itself (by shape, the other shapes judged), without a refit."""
+    from gemmd import datasets, evaluate
+    from gemmd.model import ForestModel
+
+    if args.split or args.baseline:
+        raise UsageError("--split and --baseline refit on the data; --model judges the "
+                         "fitted model as it is (drop one)")
+    if args.calibrate and args.calibrate_rows:
+        raise UsageError("give --calibrate FILE or --calibrate-rows N, not both")
+    if args.seeds is not None and not args.calibrate_rows:
+        raise UsageError("--seeds is the number of draws of --calibrate-rows")
+    from gemmd.modelfile import check_archive
+
+    cfg = load_config(args)
+    check_archive(args.model)  # before skops inflates anything (as predict does)
+    model = ForestModel.load(args.model)
+    ds = load_dataset(args, cfg)
+    cal = None
+    if args.calibrate:
+        cal = datasets.load("auto", args.calibrate, gpu=args.gpu,
+                            catalog=gpu_catalog(args.gpu_spec)[0]).table
+    seeds = args.seeds or 1
+    bar = Progress(1 + (cal is not None) + len(args.calibrate_rows) * seeds, "evaluating")
+    try:
+        res = evaluate.evaluate_model(model, ds.table, cfg=cfg.model, calibrate=cal,
+                                      calibrate_rows=args.calibrate_rows, seeds=seeds,
+                                      progress=bar)
+    finally:
+        bar.close()
+    res = {"dataset": ds.name, "files": ds.paths, "notes": ds.notes,
+           "model_file": str(args.model), **res}
+    if args.json:
+        print(json.dumps(res, indent=1, default=json_default))
+        return 0
+    print_model_evaluation(res)
+    return 0
+
+
+def print_model_evaluation(res: dict[str, Any]) -> None:
+    meas = ", ".join(f"{t} {n:,}" for t, n in res["measured"].items() if n)
+    print(f"model {res['model_file']} ({res['model']}) on {res['dataset']}: {res['rows']:,} "
+          f"rows, {res['shapes']:,} shapes (measured: {meas})")
+    for note in res.get("notes", []):
+        print(f"  note: {note}")
+    rows = [("CALIBRATION", "TARGET", "R2", "MAPE", "MEDIAN APE", "P90 APE", "COVERAGE",
+             "IN DOMAIN", "TEST ROWS")]
+    for name, sp in res["splits"].items():
+        for target in ("runtime", "power", "energy"):
+            m = sp["gemmd"]["targets"].get(target)
+            if not m or not m.get("n"):
+                continue
+            rows.append(("none" if name == "model" else name, target, num(m.get("r2")),
+                         pct(m["mape"]), pct(m["median_ape"]), pct(m["p90_ape"]),
+                         pct(m.get("coverage")), pct(m.get("in_domain")),
+                         f"{m['n']:,.0f}"))
+    print()
+    print_table(rows)
+    print(f"\nnone: the model as it is on every row. N rows: carried over by N rows of the "
+          f"data (one per shape, drawn at random), judged on the other shapes, the mean of "
+          f"{res['seeds']} draw{'s' if res['seeds'] > 1 else ''}. COVERAGE: share of rows "
+          "inside the interval; IN DOMAIN: share the model says it has data like.")
 
 
 def print_evaluation(res: dict[str, Any]) -> None:
@@ -217,11 +292,13 @@ def _predictor(args: argparse.Namespace, cfg: Config) -> Predictor:
     estimate before the first fit or where no store exists yet. With --calibrate FILE...,
     that model carried over to the files' device (transfer)."""
     from gemmd.model import ForestModel, RooflinePredictor, TransferModel
+    from gemmd.modelfile import check_archive
     from gemmd.registry import ModelRegistry, device_infos
 
     catalog, spec_keys = gpu_catalog(args.gpu_spec)
     pred: Predictor
     if args.model:
+        check_archive(args.model)  # before skops inflates anything
         pred = Predictor(ForestModel.load(args.model), str(args.model), catalog, spec_keys)
     elif not store_path(cfg).is_file():
         pred = Predictor(RooflinePredictor(cfg.model.roofline_efficiency), "roofline",
@@ -313,14 +390,19 @@ def cmd_predict(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = pred.predict([row], info)
     dt = time.perf_counter() - t0
-    first = next(iter(res.values()))
+    per: dict[str, dict[str, Any]] = {
+        t: {"value": float(r["point"][0]), "lo": float(r["lo"][0]), "hi": float(r["hi"][0]),
+            "in_domain": bool(r["in_domain"][0]),
+            "domain": "" if r["in_domain"][0] else str(r["domain"][0])}
+        for t, r in res.items()}
+    in_domain, domain = _domain({t: (bool(v["in_domain"]), str(v["domain"]))
+                                 for t, v in per.items()})
+    # values in SI units, the unit in each key: runtime_s, power_w, energy_j
     out: dict[str, Any] = {
         "gemm": row, "device": info.name, "model": pred.version,
         "model_kind": pred.model.kind, "interval": pred.model.meta.get("interval"),
-        "predict_seconds": dt, "in_domain": bool(first["in_domain"][0]),
-        "domain": str(first["domain"][0]),
-        **{t: {"value": float(r["point"][0]), "lo": float(r["lo"][0]),
-               "hi": float(r["hi"][0])} for t, r in res.items()}}
+        "predict_seconds": dt, "in_domain": in_domain, "domain": domain,
+        **{COLUMN[t]: v for t, v in per.items()}}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -330,19 +412,30 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{interval})")
     if pred.roofline:
         print(pred.roofline_note())
-    elif not out["in_domain"]:
-        print(f"  outside the training data: {out['domain']}; a guess, its interval widened "
+    elif not in_domain:
+        print(f"  outside the training data: {domain}; a guess, its interval widened "
               "to say so")
     flops = 2.0 * args.batch * args.m * args.n * args.k
     for t in ("runtime", "power", "energy"):
-        if t not in out:
+        if t not in per:
             print(f"  {t:<8} - ({pred.what} has no {t} data)")
             continue
-        v = out[t]
+        v = per[t]
         extra = f"  ({flops / v['value'] / 1e12:.3g} TFLOP/s)" if t == "runtime" else ""
         print(f"  {t:<8} {fmt_value(t, v['value']):>11}   [{fmt_value(t, v['lo'])}, "
               f"{fmt_value(t, v['hi'])}]{extra}")
     return 0
+
+
+def _domain(per: dict[str, tuple[bool, str]]) -> tuple[bool, str]:
+    """(every target in the domain, why not): the runtime's reason, then each other
+    target's that differs (power and energy are out where power was never measured)."""
+    reasons: list[str] = []
+    for t in ("runtime", "power", "energy"):
+        ok, why = per.get(t, (True, ""))
+        if not ok and why not in reasons:
+            reasons.append(why if t == "runtime" or t in why else f"{t}: {why}")
+    return not reasons, "; ".join(reasons)
 
 
 def _describe(row: dict[str, Any]) -> str:
@@ -367,7 +460,8 @@ def _configs(args: argparse.Namespace, pred: Predictor, info: DeviceInfo
         dtypes = [args.dtype] if args.dtype else [d for d in DTYPES if info.peak_flops.get(d)]
         return [{"dtype": d, "kernel": "blas", "tile": 0, "layout": "nn"} for d in dtypes], \
             False
-    known = pred.model.meta.get("configs", [])
+    # the prior's configurations, and those the device's own probes (--calibrate) ran
+    known = pred.model.meta.get("configs", []) + pred.model.meta.get("probe_configs", [])
     configs = [c for c in known if c["device"] == info.uuid
                and (not args.dtype or c["dtype"] == args.dtype)]
     if configs:
@@ -396,8 +490,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
         rows.append({**r, "m": args.m, "n": args.n, "k": args.k, "batch": args.batch})
     res = pred.predict(rows, info)
     rt = res["runtime"]["point"]
-    dom = res["runtime"]["in_domain"]
-    reason = next((str(r) for r, d in zip(res["runtime"]["domain"], dom) if not d), "")
+    # in the domain as predict says it: every target, each configuration
+    doms = [_domain({t: (bool(r["in_domain"][i]), str(r["domain"][i]))
+                     for t, r in res.items()}) for i in range(len(rows))]
+    dom = np.array([d for d, _ in doms])
+    reason = next((why for d, why in doms if not d), "")
     en = res["energy"]["point"] if "energy" in res else np.full(len(rows), np.nan)
     pw = res["power"]["point"] if "power" in res else np.full(len(rows), np.nan)
     fastest = int(np.argmin(rt))
@@ -421,7 +518,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         print(pred.roofline_note())
         print("  the roofline estimate tells dtypes apart, not kernels, tiles or layouts")
     elif borrowed:
-        print("  the model has no data on this GPU: configurations seen on other GPUs")
+        print("  no configuration was measured on this GPU: those seen on other GPUs")
     if not dom.all() and not pred.roofline:
         print(f"  outside the training data: {reason}; the ranking is a guess")
     print(f"  fastest:                {_describe(rows[fastest])}: "
@@ -450,6 +547,15 @@ def _advice(row: dict[str, Any], rt: np.ndarray, pw: np.ndarray, en: np.ndarray,
 
 
 # ------------------------------------------------------------------ parser
+
+
+def _counts(text: str) -> list[int]:
+    """N[,N...]: row counts, each 0..1,000,000."""
+    parse = int_range("--calibrate-rows", 0, 1_000_000)
+    out = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("--calibrate-rows: give a number of rows")
+    return out
 
 
 def _gemm_options(p: argparse.ArgumentParser, dtype_required: bool) -> None:
@@ -485,10 +591,24 @@ def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     f.set_defaults(func=cmd_fit)
 
     e = sub.add_parser("evaluate", parents=[common],
-                       help="gemmd vs GPPerf's pipeline on the same splits")
+                       help="gemmd vs GPPerf's pipeline on the same splits, or a fitted "
+                            "model (--model) on data")
     data_options(e)
-    e.add_argument("--baseline", choices=("gpperf", "none"), default="gpperf")
-    e.add_argument("--split", choices=("random", "shape", "both"), default="both")
+    e.add_argument("--baseline", choices=("gpperf", "none"),
+                   help="GPPerf's pipeline beside gemmd's (default gpperf)")
+    e.add_argument("--split", choices=("random", "shape", "both"),
+                   help="how to split the data for the refits (default both)")
+    e.add_argument("--model", type=path_arg("--model"),
+                   help="judge this fitted model on the data, no refit")
+    e.add_argument("--calibrate", action="append", default=[], metavar="FILE",
+                   type=path_arg("--calibrate"),
+                   help="with --model: carry it over to the device of these measurements "
+                        "first (repeatable)")
+    e.add_argument("--calibrate-rows", type=_counts, default=[], metavar="N[,N...]",
+                   help="with --model: carry it over by N rows of the data (one per shape, "
+                        "drawn at random), judge it on the other shapes")
+    e.add_argument("--seeds", type=int_range("--seeds", 1, 1000),
+                   help="draws of --calibrate-rows to average (default 1)")
     e.add_argument("--json", action="store_true", help="machine-readable output")
     e.set_defaults(func=cmd_evaluate)
 
