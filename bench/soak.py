@@ -4,29 +4,37 @@
 a duty cycle of 1: simulated GPU time is not wall time) probes its fake GPUs in fast rounds
 (``--round-s``, every sentinel and exploration probe of the plan) and refits back to back
 (``schedule.refit_interval_s`` 10 s, the least allowed), while this script writes each
-simulated day of an 8-GPU host at the default schedule into the daemon's store through the
-store's API (``Store.insert_probes``): 720 rounds x (6 sentinels + 1 exploration probe) per
-GPU, 40,320 results a day, built with the daemon's own plan and exploration code
-(``build_plan``, ``exploration_specs``) and the fake GPUs' physics, timestamped on the
-simulated day (the week ends now). After each day the daemon's own refit job must finish
-two refits (the one in flight may have read the store before the day was written), then
-the daemon process is sampled from /proc: RSS (VmRSS), the day's peak (VmHWM, reset each
-day through /proc/PID/clear_refs), threads and open file descriptors, with the store's
-size and the model's training rows (from /metrics). Every refit, prune and drift
-re-reference is the daemon's own code, on every row of the simulated week.
+simulated day of an 8-GPU host into the daemon's store through the store's API
+(``Store.insert_probes``): a round every ``--interval-s`` (the default schedule: 120 s,
+720 rounds a day) of the default plan (2 sentinels and 1 exploration probe per GPU: 17,280
+results a day), built with the daemon's own plan and exploration code (``build_plan``,
+``exploration_specs``) and the fake GPUs' physics, timestamped on the simulated day (the
+week ends now). After each day the daemon's own refit job must finish two refits (the one
+in flight may have read the store before the day was written), then the daemon process is
+sampled from /proc: RSS (VmRSS), the day's peak (VmHWM, reset each day through
+/proc/PID/clear_refs), threads and open file descriptors, with the store's size, the
+model's training rows (from /metrics) and the peak RSS of the refits' own processes (the
+daemon logs it: `gemmd run` refits in a child process, gemmd.refit). Every refit, prune
+and drift re-reference is the daemon's own code, on every row of the simulated week.
 
-    python bench/soak.py [--days 7] [--gpus 8] [--settle 3] [--set model.max_leaf_nodes=0]
-                         [--env MALLOC_ARENA_MAX=2] [--emulate-trim] [--flat-mb 150]
+    python bench/soak.py [--days 7] [--gpus 8] [--settle 3] [--interval-s 120]
+                         [--set model.max_leaf_nodes=0] [--env MALLOC_ARENA_MAX=2]
+                         [--emulate-trim] [--flat-mb 150] [--target-mb 150]
                          [--json FILE] [--keep DIR]
+    python bench/soak.py --quick   # minutes: 3 days of a round every 20 s (the store
+                                   # reaches the 200,000-row training cap on day 2)
 
-"Flat": over the last three simulated days and the ``--settle`` refits after the last
-day (the store no longer grows), the daemon's lowest RSS between samples (between refits:
-where it spends all but a minute of each hour with the default schedule) and its peak
-RSS (during a refit) each stay within ``--flat-mb`` (max - min, default 150 MB: less than
-one more copy of a model kept, ~175 MB at the default bound, while the peak varies by ~100
-MB with what the refit in progress does: an accepted one also saves the model and re-takes
-drift references). The RSS sampled when a day's refits are done is shown too; refits run
-back to back here, so it falls at some point of the next one.
+"Flat": over the last ``--flat-days`` simulated days (3; 2 with ``--quick``) and the
+``--settle`` refits after the last day (the store no longer grows), the daemon's lowest
+RSS between samples (between refits: where it spends all but a minute of each hour with
+the default schedule) and its peak RSS (during a refit) each stay within ``--flat-mb``
+(max - min, default 150 MB: less than one more copy of a model kept, ~175 MB at the
+default bound, while the peak varies by ~100 MB with what the refit in progress does: an
+accepted one also saves the model and re-takes drift references). The RSS sampled when a
+day's refits are done is shown too; refits run back to back here, so it falls at some
+point of the next one.
+``--target-mb`` (150 by default): the goal for the daemon's steady RSS (the lowest between
+refits over the last days), said beside the figures.
 Figures, not assertions: the exit status is 3 if RSS is not flat, 1 if the daemon failed.
 """
 
@@ -37,6 +45,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -196,6 +205,17 @@ def wait_refits(proc: subprocess.Popen, port: int, target: float, timeout: float
         time.sleep(1.0)
 
 
+REFIT_PEAK = re.compile(r"refit: (\w+) .* (\d+) MiB at peak in its own process")
+
+
+def refit_peaks(log: Path, since: int) -> tuple[list[float], int]:
+    """The peak RSS of each refit process the daemon logged after line ``since``, and the
+    number of lines now."""
+    lines = log.read_text(errors="replace").splitlines()
+    peaks = [float(m.group(2)) for ln in lines[since:] if (m := REFIT_PEAK.search(ln))]
+    return peaks, len(lines)
+
+
 def store_mb(db: Path) -> float:
     return sum(p.stat().st_size for p in (db, db.with_name(db.name + "-wal")) if p.exists()) \
         / 2**20
@@ -222,12 +242,23 @@ _d.Daemon.refit = refit
 '''
 
 
+IN_DAEMON_HOOK = '''# bench/soak.py --refit-in-daemon: the daemon refits in its own process (before)
+import gemmd.daemon as _d
+_init = _d.Daemon.__init__
+def __init__(self, cfg, devices=None, *, refit_process=False):
+    _init(self, cfg, devices, refit_process=False)
+_d.Daemon.__init__ = __init__
+'''
+
+
 def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     state, conf, port = work / "state", work / "gemmd.yaml", free_port()
     env = {**os.environ, **dict(kv.split("=", 1) for kv in args.env)}
-    if args.emulate_trim:  # what the daemon would do with glibc's malloc_trim after a refit
+    hooks = (TRIM_HOOK if args.emulate_trim else "") + \
+        (IN_DAEMON_HOOK if args.refit_in_daemon else "")
+    if hooks:  # changes to measure before making them, or the way it was
         (work / "hook").mkdir(exist_ok=True)
-        (work / "hook" / "sitecustomize.py").write_text(TRIM_HOOK)
+        (work / "hook" / "sitecustomize.py").write_text(hooks)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work / "hook"),
                                                          env.get("PYTHONPATH")) if p)
     sets = dict(kv.split("=", 1) for kv in args.set)
@@ -244,28 +275,31 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         proc = subprocess.Popen([*GEMMD, "run", "--config", str(conf), "--port", str(port)],
                                 stdout=logf, stderr=subprocess.STDOUT, env=env)
     started = time.monotonic()
+    seen = 0
     try:
         m = wait_refits(proc, port, 1, 300)
         while not str(m.get("model", "")).startswith("rf-"):  # the first forest, on the
             m = wait_refits(proc, port, m["refits"] + 1, 300)  # daemon's own probes
         s = proc_sample(proc.pid)
+        child, seen = refit_peaks(log, seen)
         rows.append({"label": "start (first fit)", "day": 0, "rows_written": 0,
                      "store_mb": store_mb(db), "model_mb": model_mb(state), **m, **s,
-                     "low": s["VmRSS"], "peak": s["VmHWM"],
+                     "low": s["VmRSS"], "peak": s["VmHWM"], "child": max(child, default=0),
                      "wall_s": time.monotonic() - started})
         reset_peak(proc.pid)
         print(_line(rows[-1]), flush=True)
         for day in range(args.days):
-            day_rows_ = day_rows(cfg, devices, day, rng, t0)
+            day_rows_ = day_rows(cfg, devices, day, rng, t0, args.interval_s)
             c0 = daemon_metrics(port)["refits"]
             write_s = write_day(db, day_rows_)
             n = len(day_rows_)
             del day_rows_
             m = wait_refits(proc, port, c0 + 2, args.refit_timeout)
             s = proc_sample(proc.pid)
+            child, seen = refit_peaks(log, seen)
             rows.append({"label": f"day {day + 1}", "day": day + 1, "rows_written": n,
                          "write_s": write_s, "store_mb": store_mb(db),
-                         "model_mb": model_mb(state), **m, **s,
+                         "model_mb": model_mb(state), **m, **s, "child": max(child, default=0),
                          "peak": s["VmHWM"], "wall_s": time.monotonic() - started})
             reset_peak(proc.pid)
             print(_line(rows[-1]), flush=True)
@@ -273,9 +307,10 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             c0 = daemon_metrics(port)["refits"]
             m = wait_refits(proc, port, c0 + 1, args.refit_timeout)
             s = proc_sample(proc.pid)
+            child, seen = refit_peaks(log, seen)
             rows.append({"label": f"day {args.days}, refit +{k + 1}", "day": args.days,
                          "rows_written": 0, "store_mb": store_mb(db),
-                         "model_mb": model_mb(state), **m, **s,
+                         "model_mb": model_mb(state), **m, **s, "child": max(child, default=0),
                          "peak": s["VmHWM"], "wall_s": time.monotonic() - started})
             reset_peak(proc.pid)
             print(_line(rows[-1]), flush=True)
@@ -286,14 +321,17 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             proc.wait()
     text = log.read_text(errors="replace").splitlines()
     problems = [ln for ln in text if " ERROR " in ln or "Traceback" in ln]
-    tail = [r for r in rows if r["day"] >= args.days - 2]
+    tail = [r for r in rows if r["day"] >= args.days - args.flat_days + 1]
     spread = max(r["VmRSS"] for r in tail) - min(r["VmRSS"] for r in tail)
     low_spread = max(r["low"] for r in tail) - min(r["low"] for r in tail)
     peak_spread = max(r["peak"] for r in tail) - min(r["peak"] for r in tail)
+    steady = max(r["low"] for r in tail)
     return {"rows": rows, "stop_s": stop_s, "exit": code, "log_lines": len(text),
             "problems": problems[:20], "n_problems": len(problems), "sampled_spread_mb": spread,
             "low_spread_mb": low_spread, "peak_spread_mb": peak_spread,
             "flat": max(low_spread, peak_spread) <= args.flat_mb, "sets": sets,
+            "steady_mb": steady, "peak_mb": max(r["peak"] for r in tail),
+            "child_peak_mb": max(r.get("child", 0) for r in rows),
             "wall_s": time.monotonic() - started}
 
 
@@ -302,19 +340,28 @@ def _line(r: dict[str, Any]) -> str:
             f"{r.get('train_rows', 0):,.0f} | {r.get('model', '?')} ({r['model_mb']:.0f} MB) | "
             f"{r['refits']:.0f} | "
             f"{r['VmRSS']:.0f} MB | {r.get('low', r['VmRSS']):.0f} / {r['peak']:.0f} MB | "
-            f"{r['Threads']:.0f} | {r['fds']:.0f} | "
+            f"{r.get('child', 0):.0f} MB | {r['Threads']:.0f} | {r['fds']:.0f} | "
             f"{r['wall_s'] / 60:.1f} |")
 
 
 HEADER = ("| simulated | results written | store (db + wal) | model's training rows | "
           "model (file) | refits so far | RSS | lowest / peak RSS since the last sample | "
-          "threads | fds | wall min |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "refit process peak | threads | fds | wall min |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="minutes, not a quarter hour: --days 3 --interval-s 20 --settle 2 "
+                         "(the training cap is reached on day 2)")
     ap.add_argument("--days", type=int, default=7)
+    ap.add_argument("--interval-s", type=float, default=120.0,
+                    help="the written days' probe interval (default 120 s, gemmd's default)")
+    ap.add_argument("--flat-days", type=int, default=3,
+                    help="the last days judged for flatness (default 3; --quick: 2)")
+    ap.add_argument("--target-mb", type=float, default=150.0,
+                    help="goal for the daemon's steady RSS, said beside the figures")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--round-s", type=float, default=10.0,
                     help="the daemon's own probe interval (default 10 s)")
@@ -327,6 +374,9 @@ def main() -> int:
     ap.add_argument("--emulate-trim", action="store_true",
                     help="the daemon calls glibc's malloc_trim(0) after each refit (a "
                          "sitecustomize hook: measures that change before making it)")
+    ap.add_argument("--refit-in-daemon", action="store_true",
+                    help="the daemon refits in its own process, as before gemmd.refit (a "
+                         "sitecustomize hook): the comparison")
     ap.add_argument("--flat-mb", type=float, default=150.0,
                     help="flat: the lowest and the peak RSS of the last 3 days each within "
                          "this (default 150 MB)")
@@ -335,11 +385,15 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="work in this folder and keep it")
     args = ap.parse_args()
+    if args.quick:
+        args.days, args.interval_s, args.settle, args.flat_days = 3, 20.0, 2, 2
     work = args.keep or Path(tempfile.mkdtemp(prefix="gemmd-soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"# {machine()}\n# {args.gpus} fake GPUs, {args.days} simulated days, "
+    print(f"# {machine()}\n# {args.gpus} fake GPUs, {args.days} simulated days (a round "
+          f"every {args.interval_s:g} s), "
           f"settings {args.set or 'defaults'}, environment {args.env or 'as is'}"
-          f"{', malloc_trim after each refit (emulated)' if args.emulate_trim else ''}; load "
+          f"{', malloc_trim after each refit (emulated)' if args.emulate_trim else ''}"
+          f"{', refits in the daemon process' if args.refit_in_daemon else ''}; load "
           f"{os.getloadavg()[0]:.2f}\n")
     print(HEADER, flush=True)
     try:
@@ -350,10 +404,14 @@ def main() -> int:
     res["machine"], res["load_end"] = machine(), os.getloadavg()[0]
     if args.json:
         args.json.write_text(json.dumps(res, indent=1, default=str))
-    print(f"\nOver the last 3 simulated days and {args.settle} refits after: lowest RSS "
+    print(f"\nOver the last {args.flat_days} simulated days and {args.settle} refits after: "
+          f"lowest RSS "
           f"within {res['low_spread_mb']:.0f} MB, peak within {res['peak_spread_mb']:.0f} MB "
           f"({'flat' if res['flat'] else 'NOT flat'}: both <= {args.flat_mb:.0f} MB; sampled "
-          f"RSS within {res['sampled_spread_mb']:.0f} MB); "
+          f"RSS within {res['sampled_spread_mb']:.0f} MB); the daemon's steady RSS (highest "
+          f"lowest) {res['steady_mb']:.0f} MB against the {args.target_mb:.0f} MB goal "
+          f"({'met' if res['steady_mb'] <= args.target_mb else 'missed'}), its peak "
+          f"{res['peak_mb']:.0f} MB; refit processes up to {res['child_peak_mb']:.0f} MB; "
           f"SIGTERM {res['stop_s']:.1f} s (exit {res['exit']}); "
           f"{res['log_lines']} log lines, {res['n_problems']} errors/tracebacks; "
           f"{res['wall_s'] / 60:.1f} min")

@@ -44,7 +44,9 @@ def test_run_scrape_sigterm_restart_keeps_history_and_model(tmp_path, daemon_fac
         meas = m.get("gemmd_probe_runtime_seconds", [])
         pred = m.get("gemmd_probe_runtime_predicted_seconds", [])
         info = m.get("gemmd_model_info", [])
-        ratios = [s.value for s in m.get("gemmd_probe_runtime_ratio", [])]
+        predicted = {tuple(sorted(s.labels.items())): s.value for s in pred}
+        ratios = [s.value / predicted[key] for s in meas
+                  if (key := tuple(sorted(s.labels.items()))) in predicted]
         # The first fits see a handful of probes; accuracy must come with data.
         if len(meas) == 10 and len(pred) == 10 and info and \
                 info[0].labels["kind"] == "random_forest" and \
@@ -181,3 +183,43 @@ def test_default_config_on_cpu_serves_measured_and_predicted(tmp_path, daemon_fa
     rc, took = d.terminate()
     assert rc == 0 and took < STOP_GRACE_S
     assert "using the CPU backend" in d.read_log() or "cpu" in d.read_log().lower()
+
+
+def test_a_default_scrape_has_at_most_60_series_per_gpu(tmp_path, daemon_factory):
+    """The default metrics profile (lean) on the default probe plan, everything there is to
+    export (a fitted model, every drift reference, peers to compare with): at most 60 series
+    per GPU; the full profile has everything (~150)."""
+    counts = {}
+    for profile in ("lean", "full"):
+        port = free_port()
+        cfg = write_config(tmp_path / f"{profile}.yaml", **{
+            "backend": "fake", "listen": {"address": "127.0.0.1", "port": port},
+            "state_dir": str(tmp_path / profile), "metrics": {"profile": profile},
+            # The default plan and drift targets; rounds, fits and references fast.
+            "schedule": {"probe_interval_s": 2, "refit_interval_s": 3600},
+            "budget": {"duty_cycle": 1.0}, "model": {"min_samples": 12, "n_estimators": 10},
+            "drift": {"baseline_probes": 2},
+            "fake": {"devices": [{}, {}, {}]}})  # 3 of a model: peers to compare with
+        d = daemon_factory(cfg)
+
+        def complete(port=port):
+            m = scrape(port)
+            refs = m.get("gemmd_probe_drift_reference_ratio", [])
+            peers = m.get("gemmd_device_peer_ratio", [])
+            fitted = m.get("gemmd_model_info") and \
+                m["gemmd_model_info"][0].labels["kind"] == "random_forest"
+            power = m.get("gemmd_probe_power_predicted_watts", [])
+            # 3 GPUs x 2 sentinels x 3 targets
+            return m if fitted and len(refs) == 18 and len(power) == 6 and peers else None
+
+        m = wait_for(complete, 120, "a fitted model, every drift reference and the peers", d)
+        per_gpu: dict[str, int] = {}
+        for samples in m.values():
+            for s in samples:
+                if "gpu" in s.labels:
+                    per_gpu[s.labels["gpu"]] = per_gpu.get(s.labels["gpu"], 0) + 1
+        assert set(per_gpu) == {"0", "1", "2"}
+        counts[profile] = max(per_gpu.values())
+        d.terminate()
+    assert counts["lean"] <= 60, counts
+    assert counts["full"] > 2 * counts["lean"], counts

@@ -150,7 +150,7 @@ def test_security_context_non_root_without_capabilities():
 def test_read_only_root_has_somewhere_to_write():
     """Every directory gemmd or CUDA writes to is a mounted volume."""
     c = gemmd_container()
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
     writable = [Path(m["mountPath"]) for m in c["volumeMounts"] if not m.get("readOnly")]
     for var in ("CUPY_CACHE_DIR", "CUDA_CACHE_PATH", "HOME"):
         assert any(Path(env[var]).is_relative_to(w) for w in writable), var
@@ -163,13 +163,23 @@ def test_gpus_are_visible_but_not_requested():
         assert not any(k.startswith("nvidia.com/") for k in res), res
     assert "cpu" not in c["resources"].get("limits", {})  # throttling distorts timings
     assert c["resources"]["limits"]["memory"]
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert set(env["NVIDIA_DRIVER_CAPABILITIES"].split(",")) >= {"compute", "utility"}
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     assert spec["terminationGracePeriodSeconds"] >= STOP_GRACE_S
+
+
+def test_series_name_the_node_not_the_pod():
+    """gemmd's `hostname` label (metrics.hostname: auto) is the node the pod runs on, from
+    the downward API; the ServiceMonitor's `node` label is the same name."""
+    (node,) = [e for e in gemmd_container()["env"] if e["name"] == "NODE_NAME"]
+    assert node == {"name": "NODE_NAME",
+                    "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    cfg = parse(yaml.safe_load(CONFIG.read_text()))
+    assert cfg.metrics.hostname == "auto" and cfg.metrics.profile == "lean"
 
 
 # ------------------------------------------------------------------ rendered and validated

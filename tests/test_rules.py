@@ -153,8 +153,10 @@ def test_every_alert_is_unit_tested_firing_and_not_firing():
 
 def test_every_alert_has_severity_summary_description_and_runbook_section():
     anchors = runbook_anchors()
-    base = generator().RUNBOOK_BASE
-    assert base.startswith("https://") and base.endswith("/docs/runbook.md"), base
+    gen = generator()
+    # The runbook every gemmd serves (gemmd/exporter/runbook.py): no placeholder ships.
+    assert gen.RUNBOOK_BASE == "http://{{ $labels.instance }}/runbook"
+    assert "OWNER" not in RULES.read_text()
     seen = set()
     for a in alerts():
         name = a["alert"]
@@ -166,10 +168,12 @@ def test_every_alert_has_severity_summary_description_and_runbook_section():
         ann = a.get("annotations", {})
         assert ann.get("summary"), f"{name}: no summary"
         desc = ann.get("description", "")
-        assert "{{ $labels." in desc and "$value" in desc, \
+        assert "$labels." in desc and "$value" in desc, \
             f"{name}: the description must show labels and the value"
         anchor = github_anchor(name)
-        # Absolute, under the one base the generator rewrites (--runbook-base).
+        # Under one of the bases the generator rewrites (--runbook-base): the gemmd that
+        # raised the alert, or for GemmdDown one that is up.
+        base = gen.RUNBOOK_BASE_UP if name == "GemmdDown" else gen.RUNBOOK_BASE
         assert ann.get("runbook_url") == f"{base}#{anchor}", name
         assert anchor in anchors, f"docs/runbook.md has no '## {name}' section"
 
@@ -205,11 +209,12 @@ def test_runbook_base_is_set_in_one_place(tmp_path):
         urls = [r["annotations"]["runbook_url"] for g in groups for r in g["rules"]
                 if "alert" in r]
         assert urls and all(u.startswith(base + "#") for u in urls), urls
-        for g in groups:
-            for rule in g["rules"]:
+        for g, orig in zip(groups, shipped):
+            for rule, was in zip(g["rules"], orig["rules"]):
                 if "alert" in rule:
-                    rule["annotations"]["runbook_url"] = rule["annotations"]["runbook_url"] \
-                        .replace(base, generator().RUNBOOK_BASE)
+                    anchor = generator().anchor_of(was["annotations"]["runbook_url"])
+                    assert rule["annotations"]["runbook_url"] == f"{base}#{anchor}"
+                    rule["annotations"]["runbook_url"] = was["annotations"]["runbook_url"]
         assert groups == shipped, fmt
     r = subprocess.run([promtool(), "check", "rules", str(tmp_path / "gemmd.rules.yml")],
                        capture_output=True, text=True, timeout=60)
@@ -222,6 +227,52 @@ def test_runbook_base_is_set_in_one_place(tmp_path):
                         "--format", "rules", "--out", "-"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "is not under" in r.stderr, r.stderr
+
+
+def family(sample_name: str) -> str:
+    """The metric family a sample name belongs to (counters: without _total)."""
+    return sample_name.removesuffix("_total")
+
+
+def test_rules_read_only_what_the_lean_profile_exports():
+    """Every gemmd series a rule, an alert or an alert's description reads is in the lean
+    metrics profile (the default): the rules work as shipped with either profile."""
+    from gemmd.exporter.collectors import LEAN
+
+    recorded = {r["record"] for r in recording_rules()}
+    read: dict[str, set[str]] = {}
+    for g in rule_groups():
+        for r in g["rules"]:
+            texts = [r["expr"]]
+            if "alert" in r:
+                texts += [v for k, v in r["annotations"].items() if k != "runbook_url"]
+            for t in texts:
+                for name in METRIC_RE.findall(t):
+                    read.setdefault(name, set()).add(r.get("alert") or r["record"])
+    full_only = {n: sorted(w) for n, w in read.items()
+                 if n not in recorded and family(n) not in LEAN
+                 and n != "gemmd_probe_drifting"}  # only counted in descriptions, if there
+    assert not full_only, f"rules read series of the full profile only: {full_only}"
+    # The per-probe alarm count in the drift descriptions is said only where exported.
+    for a in alerts():
+        desc = a["annotations"]["description"]
+        if "gemmd_probe_drifting" in desc:
+            assert re.search(r"\{\{ with printf `count\(gemmd_probe_drifting\{%s,"
+                             r"target=\"\w+\"\}\)` \$sel \| query \}\}", desc), a["alert"]
+
+
+def test_hosts_are_named_by_hostname_then_node_then_instance():
+    """Alerts say which host as operators name it; the hour of a persistent slowdown is kept
+    per host and GPU (a rollout changes instance and pod)."""
+    for a in alerts():
+        for key in ("summary", "description"):
+            text = a["annotations"][key]
+            assert "{{ $labels.instance }}" not in text, (a["alert"], key)
+    (rule,) = [r for r in recording_rules() if r["record"] == "gemmd:device_runtime_drifting:max"]
+    assert "without (target, instance, pod)" in rule["expr"]
+    for a in alerts():
+        if "gemmd:device_runtime_drifting" in a["expr"]:
+            assert "on(instance, uuid) (gemmd:device_runtime_drifting" not in a["expr"], a["alert"]
 
 
 def test_recording_rules_are_named_gemmd_level_metric_operations():
@@ -353,8 +404,16 @@ def test_dashboards_are_importable_with_a_datasource_variable():
         variables = {v["name"]: v for v in d["templating"]["list"]}
         ds = variables.get("datasource")
         assert ds and ds["type"] == "datasource" and ds["query"] == "prometheus", name
-        for var in ("instance", "gpu"):
+        for var in ("hostname", "gpu"):
             assert variables.get(var, {}).get("type") == "query", f"{name}: no ${var}"
+        assert "$instance" not in json.dumps(d), f"{name}: hosts are named by hostname"
+        # Grafana's import asks for the data source (and a provisioned copy picks its
+        # default): the one input, the data source variable's first value.
+        assert [i["name"] for i in d["__inputs"]] == ["DS_PROMETHEUS"], name
+        assert ds["current"]["value"] == "${DS_PROMETHEUS}", name
+        assert json.dumps(d).count("${DS_PROMETHEUS}") == 2, name  # current: text and value
+        assert {r["id"] for r in d["__requires"]} >= {"grafana", "prometheus"} | {
+            p["type"] for p in all_panels(d["panels"]) if p["type"] != "row"}, name
         for v in variables.values():
             if v["type"] == "query":
                 assert v["datasource"]["uid"] == "${datasource}", f"{name}: ${v['name']}"
@@ -386,6 +445,38 @@ def test_gpu_dashboard_draws_prediction_interval_bands():
     assert bands == 3, "one band panel each for runtime, power and energy"
 
 
+FULL_ROW = "metrics.profile: full"
+
+
+def full_only_families() -> set[str]:
+    from gemmd.exporter.collectors import LEAN
+
+    return {m for m in referenced_metrics() if ":" not in m and family(m) not in LEAN}
+
+
+def test_dashboard_panels_of_the_full_profile_only_are_in_their_own_collapsed_row():
+    """With the default lean profile no panel is empty on the main rows: a panel whose every
+    query reads series of the full profile only lies in the collapsed row that says so."""
+    full = full_only_families()
+    # Reference lines (a configured margin or tolerance) are no data of their own.
+    references = {"gemmd_drift_tolerance_ratio", "gemmd_drift_peer_margin_ratio",
+                  "gemmd_probe_interval_seconds"}
+    for name, d in load_dashboards().items():
+        (row,) = [p for p in d["panels"] if p["type"] == "row" and FULL_ROW in p["title"]]
+        assert row["collapsed"] is True and row["panels"], name
+        assert row is d["panels"][-1], name
+        in_row = {p["id"] for p in row["panels"]}
+        for p in all_panels(d["panels"]):
+            if p["type"] == "row":
+                continue
+            reads = [set(METRIC_RE.findall(t["expr"])) for t in p["targets"]]
+            reads = [r for r in reads if not (r and r <= references)]
+            if all(r & full for r in reads):
+                assert p["id"] in in_row, f"{name}: {p['title']} reads the full profile only"
+            else:
+                assert p["id"] not in in_row, f"{name}: {p['title']} works on lean"
+
+
 # ------------------------------------------------------------------------- metric names
 
 
@@ -415,16 +506,21 @@ def exposition_names(text: str) -> set[str]:
     return names
 
 
-def test_every_referenced_metric_exists_in_a_live_exposition(tmp_path, daemon_factory):
+@pytest.mark.parametrize("profile", ["lean", "full"])
+def test_every_referenced_metric_exists_in_a_live_exposition(tmp_path, daemon_factory, profile):
+    """With the full profile every metric a rule or a dashboard reads is exposed; with the
+    lean one (the default) all of them but the dashboards' full-only panels and targets."""
     port = free_port()
     # Small baselines so that model, prediction and drift series all appear within seconds.
     cfg = write_config(tmp_path / "gemmd.yaml", **merge(FAST_FAKE, {
         "listen": {"port": port}, "state_dir": str(tmp_path / "state"),
-        "drift": {"baseline_probes": 2}}))
+        "drift": {"baseline_probes": 2}, "metrics": {"profile": profile}}))
     d = daemon_factory(cfg)
 
     recorded = {r["record"] for r in recording_rules()}
     used = referenced_metrics()
+    if profile == "lean":
+        used = {n: w for n, w in used.items() if n not in full_only_families()}
     assert used, "no metric names found in rules and dashboards"
     missing: dict[str, list[str]] = {}
 
