@@ -82,9 +82,12 @@ class ExplorationConfig(_Variants):
 
 @dataclass(frozen=True)
 class MeasureConfig:
-    warmup_s: float = _f(0.1, min=0.0, max=60.0)
+    # The defaults cost ~0.62-0.70 s of GPU time per 8192^3 sentinel on an H200 (measured,
+    # bench/RESULTS.md): 0.5 s is the shortest window the 100 ms energy counter resolves
+    # (~2% energy CV; 1 s: 0.2-0.6%), and probes of a round warm each other up.
+    warmup_s: float = _f(0.02, min=0.0, max=60.0)
     warmup_iters: int = _f(2, min=1, max=10000)
-    window_s: float = _f(1.0, min=0.001, max=60.0)
+    window_s: float = _f(0.5, min=0.001, max=60.0)
     min_iters: int = _f(3, min=1, max=1_000_000)
     max_iters: int = _f(100_000, min=1, max=100_000_000)
     # Compare a probe's output with a reference every N probes of the same spec (0 = never).
@@ -93,14 +96,15 @@ class MeasureConfig:
     timeout_s: float = _f(120.0, min=1.0, max=3600.0)
 
 
-# The default plan (identical to gemmd.yaml): compute-bound cuBLAS GEMMs and the paper's
-# tiled kernel on GPUs; small fp32 BLAS GEMMs on a CPU.
+# The default plan (identical to gemmd.yaml): two compute-bound cuBLAS GEMMs on GPUs, one
+# of each way a GPU slows down (issue 23, measured on an H200): bf16 runs at the power cap
+# (a lowered power limit or more power per clock slows it), fp32 at full clock (a clock
+# cap slows it); together ~1.37 s of GPU time per 120 s round. Small fp32 BLAS GEMMs on a
+# CPU.
 _GPU = ("nvidia", "fake")
 DEFAULT_SENTINELS = (
-    ProbeGroup(shapes=((4096, 4096, 4096), (8192, 8192, 8192)), dtypes=("bf16", "fp32"),
+    ProbeGroup(shapes=((8192, 8192, 8192),), dtypes=("bf16", "fp32"),
                kernels=("blas",), layouts=("nn",), backends=_GPU),
-    ProbeGroup(shapes=((1024, 1024, 1024),), dtypes=("fp32",), kernels=("tiled",),
-               tiles=(16, 32), backends=_GPU),
     ProbeGroup(shapes=((512, 512, 512), (1024, 1024, 1024)), dtypes=("fp32",),
                kernels=("blas",), backends=("cpu",)),
 )
@@ -182,7 +186,7 @@ class DriftConfig:
     shift: float = _f(0.05, min=0.001, max=10.0)  # relative change to detect (0.05 = 5%)
     # Healthy results between false alarms of one CUSUM (a probe x target, or a device's
     # pooled statistic for a target), on average.
-    arl0: float = _f(5e6, min=10.0, max=1e15)
+    arl0: float = _f(2e6, min=10.0, max=1e15)
     baseline_probes: int = _f(10, min=2, max=10000)
     min_scale: float = _f(0.01, min=0.0001, max=1.0)  # floor of the residual scale (log)
     accept_after_s: float = _f(0.0, min=0.0, max=1e9)  # 0 = wait for `gemmd rebaseline`
@@ -192,6 +196,10 @@ class DriftConfig:
     # at least peer_min_siblings of them to compare with: gemmd_device_slower_than_peers.
     peer_margin: float = _f(0.03, min=0.001, max=10.0)
     peer_min_siblings: int = _f(2, min=1, max=10000)
+    # Slow wiggles (a daily temperature cycle, slowly wandering clocks) below this amplitude
+    # are not faults (0.02 = 2%); a change that holds above it for hours is, and `shift`
+    # is caught within rounds. Below `shift`; 0: no slow-level alarm, and no tolerance.
+    tolerance: float = _f(0.02, min=0.0, max=10.0)
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,18 @@ class FakeConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """What /metrics exports (docs/deploy.md, "Metrics and series")."""
+
+    # lean: the series the shipped rules and dashboards read (about 50 per GPU with the
+    # default plan); full: every series, the drift detector's internals included (debugging).
+    profile: str = _f("lean", choices=("lean", "full"))
+    # The `hostname` label on every series: "auto" = $NODE_NAME (Kubernetes: the node the
+    # pod runs on), else the host's name; or the name to use.
+    hostname: str = _f("auto")
+
+
+@dataclass(frozen=True)
 class Config:
     listen: ListenConfig = _f(ListenConfig())
     # "auto": $STATE_DIRECTORY (systemd), else $XDG_STATE_HOME/gemmd, else ~/.local/state/gemmd.
@@ -245,6 +265,7 @@ class Config:
     store: StoreConfig = _f(StoreConfig())
     fake: FakeConfig = _f(FakeConfig())
     log_level: str = _f("info", choices=("debug", "info", "warning", "error"))
+    metrics: MetricsConfig = _f(MetricsConfig())
     # Where probes run: "process" (a worker per device: a hang or a broken CUDA context is
     # killed and restarted), "thread" (in the daemon), or "auto" (process for nvidia).
     isolation: str = _f("auto", choices=("auto", "process", "thread"))
@@ -354,6 +375,10 @@ def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
             errs.add(path, f"expected a list, got {_typename(value)} {_short(value)}")
             return None
         if len(args) == 2 and args[1] is Ellipsis:
+            if meta.get("choices"):  # a set of choices: each once (issue 24)
+                for i, v in enumerate(value):
+                    if isinstance(v, str) and v in value[:i]:
+                        errs.add(f"{path}[{i}]", f"{_short(v)} is listed twice")
             return tuple(_convert(v, args[0], meta, f"{path}[{i}]", errs)
                          for i, v in enumerate(value))
         if len(value) != len(args):
@@ -377,7 +402,7 @@ def _convert(value: Any, tp: Any, meta: dict, path: str, errs: _Errors) -> Any:
             errs.add(path, f"expected a number, got {_typename(value)} {_short(value)}")
             return value
         try:
-            as_float = float(value)
+            as_float = float(value) + 0.0  # -0.0 is 0.0: it passes min 0 (issue 24)
         except OverflowError:  # an integer beyond 1e308: compare it exactly, as an int
             as_float = None
         if as_float is not None and not math.isfinite(as_float):
@@ -474,6 +499,8 @@ def _cross_checks(obj: Any, path: str, errs: _Errors) -> None:
         errs.add(_join(path, "shapes"), "must not be empty")
     if isinstance(obj, ListenConfig):
         _check_address(obj.address, _join(path, "address"), errs)
+    if isinstance(obj, DriftConfig) and not obj.targets:
+        errs.add(_join(path, "targets"), "must not be empty (runtime, power, energy)")
     if isinstance(obj, Config):
         _check_config(obj, errs)
 
@@ -484,7 +511,9 @@ def _check_address(addr: str, path: str, errs: _Errors) -> None:
         return
     except ValueError:
         pass
-    if len(addr) > 253 or not _HOSTNAME.fullmatch(addr):
+    if re.fullmatch(r"[\d.]+", addr):  # no host name is all digits: a bad IPv4 address
+        errs.add(path, f"{_short(addr)} is not an IPv4 address (four numbers 0-255: a.b.c.d)")
+    elif len(addr) > 253 or not _HOSTNAME.fullmatch(addr):
         hint = " (write IPv6 addresses without brackets)" if addr.startswith("[") else ""
         errs.add(path, f"{_short(addr)} is not an IP address or host name{hint}")
 
@@ -983,7 +1012,14 @@ def read_file(path: str | Path) -> tuple[str, str]:
     if not source:
         raise ConfigError("''", ["cannot read: the file name is empty"])
     try:
-        with open(path, "rb") as f:  # not read_text: /dev/zero would never end
+        # O_NONBLOCK: open() of a FIFO would wait for a writer forever (issue 24).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:  # not read_text: /dev/zero would never end
+            import stat
+
+            if stat.S_ISFIFO(os.fstat(fd).st_mode) or stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise ConfigError(source, ["cannot read: a named pipe or socket, not a file"])
+            os.set_blocking(fd, True)
             raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(source, [f"cannot read: {e.strerror or e}"]) from e

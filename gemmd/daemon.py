@@ -15,19 +15,22 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from gemmd import rebaseline
+from gemmd.clockwatch import CHECK_S, ClockWatch, interval, on_jump
 from gemmd.config import Config
 from gemmd.devices import Device
-from gemmd.drift import residual_of
+from gemmd.drift import predicted_of, residual_of, stand_in
 from gemmd.errors import GemmdError
 from gemmd.exporter import Exposition, load_web_config, serve
+from gemmd.exporter.collectors import host_name
 from gemmd.features import spec_of
 from gemmd.gemm import COLUMN, ProbeSpec
 from gemmd.probes import Measurement
+from gemmd.refit import RefitFailed, RefitProcess, error_text
 from gemmd.registry import RefitResult
 from gemmd.rounds import DeviceRunner, device_label, save_events
 from gemmd.runtime import build
 from gemmd.state import ProbeState
-from gemmd.store import DAEMON_SOURCE
+from gemmd.store import DAEMON_SOURCE, InstanceLock
 from gemmd.systemd import sd_notify, watchdog_interval
 
 logger = logging.getLogger(__name__)
@@ -50,9 +53,19 @@ def busy_backoff_s(skips: int, cap_s: float) -> float:
 class Daemon:
     """Start, stop and the jobs; the parts come from gemmd.runtime."""
 
-    def __init__(self, cfg: Config, devices: list[Device] | None = None):
+    def __init__(self, cfg: Config, devices: list[Device] | None = None, *,
+                 refit_process: bool = False):
+        """``refit_process``: refit in a child process (gemmd.refit; what `gemmd run` does),
+        else in this one (tests that construct a daemon inject faults into its refit)."""
         self.cfg = cfg
-        rt = build(cfg, devices=devices)
+        # One daemon per state directory: a second one is refused, naming the first.
+        self._instance = InstanceLock(cfg.resolved_state_dir()).acquire()
+        try:
+            rt = build(cfg, devices=devices)
+        except BaseException:
+            self._instance.release()
+            raise
+        self.clock = ClockWatch()
         self.runtime = rt
         self.state_dir, self.store, self.state = rt.state_dir, rt.store, rt.state
         self.registry, self.devices, self.runners = rt.registry, rt.devices, rt.runners
@@ -65,6 +78,8 @@ class Daemon:
         self._drift_save_failing = False
         self._model_noted: str | None = None  # the model the store's last model event names
         self.scheduler: Any = None  # APScheduler's BackgroundScheduler, made in start()
+        self._refits = RefitProcess(self.state_dir, cfg.model, cfg.log_level) \
+            if refit_process else None
         self.httpd: Any = None
         self.port: int | None = None
 
@@ -93,21 +108,22 @@ class Daemon:
             timezone="UTC")
         now = datetime.now().astimezone()
         for r in self.runners:
-            self.scheduler.add_job(self._probe_job, "interval", args=[r],
-                                   seconds=cfg.probe_interval_s, next_run_time=now,
+            self.scheduler.add_job(self._probe_job, interval(cfg.probe_interval_s), args=[r],
+                                   next_run_time=now,
                                    id=f"probe-{r.device.info.uuid}",
                                    name=f"probe GPU {r.device.info.index}")
-        self.scheduler.add_job(self.refit, "interval", seconds=cfg.refit_interval_s,
+        self.scheduler.add_job(self.refit, interval(cfg.refit_interval_s),
                                next_run_time=now + timedelta(seconds=cfg.refit_interval_s),
                                id="refit", name="refit")
-        self.scheduler.add_job(self._watchdog, "interval", seconds=5, id="hang-watchdog",
+        self.scheduler.add_job(self._watchdog, interval(5), id="hang-watchdog",
                                name="hang watchdog")
         self.scheduler.start()
-        tls = bool(self.cfg.listen.web_config_file)
+        # What is served: a web config without tls_server_config (or with an empty one)
+        # is plain HTTP, whatever its name says.
         logger.info("gemmd started: %d device(s), backend %s, state in %s, metrics on "
                     "%s://%s:%s/metrics", len(self.devices), self.devices[0].info.backend,
-                    self.state_dir, "https" if tls else "http", self.cfg.listen.address,
-                    self.port)
+                    self.state_dir, getattr(self.httpd, "scheme", "http"),
+                    self.cfg.listen.address, self.port)
         sd_notify(f"READY=1\nSTATUS=probing {len(self.devices)} device(s)")
 
     def _serve(self) -> None:
@@ -115,8 +131,10 @@ class Daemon:
         path = self.cfg.listen.web_config_file
         web = load_web_config(path) if path else None  # checked with the config already
         try:
-            self.httpd = serve(Exposition(self.state), addr, port, web_config=web,
-                               ready=self.ready)
+            metrics = self.cfg.metrics
+            self.httpd = serve(Exposition(self.state, profile=metrics.profile,
+                                          hostname=host_name(metrics.hostname)),
+                               addr, port, web_config=web, ready=self.ready)
         except OSError as e:
             raise GemmdError(f"listen {addr}:{port}: {e.strerror or e}") from e
         self.port = self.httpd.server_port
@@ -193,21 +211,35 @@ class Daemon:
         if self.stopping.is_set():
             return
         try:
-            result = self.registry.refit(cancel=self.stopping)
+            where = ""
+            if self._refits is not None:
+                result = self._refits.run()
+                if self.stopping.is_set():
+                    return
+                if result.accepted or self.registry.prior is not None:
+                    # The model the child registered (a reference model is calibrated on
+                    # the store again here, as a refit in this process would have).
+                    self.registry.load_active()
+                if self._refits.peak_mib:
+                    where = f", {self._refits.peak_mib:.0f} MiB at peak in its own process"
+            else:
+                result = self.registry.refit(cancel=self.stopping)
             self._record_refit(result)
-            logger.info("refit: %s (%s; %d of %d stored probes, fit %.1f s, refit %.1f s); "
+            logger.info("refit: %s (%s; %d of %d stored probes, fit %.1f s, refit %.1f s%s); "
                         "predictions from %s", result.outcome, result.reason, result.rows,
-                        result.rows_total, result.fit_s, result.seconds, result.version)
+                        result.rows_total, result.fit_s, result.seconds, where,
+                        self.registry.current.version)
             self._refit_error = None
             if result.accepted:
                 self.rereference()
             if result.outcome == "insufficient_data":
                 self._first_fit.clear()  # try again after the next round
         except (OSError, GemmdError) as e:
+            if self.stopping.is_set() and isinstance(e, RefitFailed):
+                return  # ended by the stop: no failure
             # Weather (a full disk, a store that cannot be written), not a bug: one line,
             # and only when it changes (the store logs its own write failures once).
-            msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename \
-                else str(e)
+            msg = error_text(e)
             if msg != self._refit_error and not getattr(e, "reported", False):
                 logger.error("refit failed: %s", msg)
             self._refit_error = msg
@@ -218,7 +250,7 @@ class Daemon:
         try:
             # The daemon's own probes only: imported sources are the user's data.
             n = self.store.prune(self.cfg.store.retention_days, self.cfg.store.max_rows,
-                                 sources=(DAEMON_SOURCE,))
+                                 now=self.clock.now(), sources=(DAEMON_SOURCE,))
             if n:
                 logger.info("store: pruned %d old probe results of the daemon", n)
         except Exception as e:
@@ -309,22 +341,24 @@ class Daemon:
             specs = list(targets_of)
             # A prediction depends on the spec and device only: one per spec, in one batch.
             preds, _ = self.registry.predict(specs, [info] * len(specs))
+            limit = info.power_limit_w
             for spec, p in zip(specs, preds):
                 ours = [r for r in rows if r["kind"] == "sentinel" and spec_of(r) == spec]
                 mine = ours[:n]
+                new = stand_in(predicted_of(p), limit)  # as the rounds compare (drift.stand_in)
                 for target in targets_of[spec]:
                     col = COLUMN[target]
-                    res = [x for x in (residual_of(r[col], getattr(p, col)) for r in mine)
+                    res = [x for x in (residual_of(r[col], new[target]) for r in mine)
                            if x is not None]
                     # The new model moves the probe's residuals by log(old / new
                     # prediction), known exactly from results predicted by the model the
                     # references were taken under: the drift state moves by it and keeps
                     # what it learnt (re-taking the level from a few results would cost
                     # hours of sensitivity after every refit).
-                    moved = [x for x in (residual_of(r[f"pred_{col}"], getattr(p, col))
-                                         for r in ours
-                                         if old_version and r["model_version"] == old_version)
-                             if x is not None]
+                    moved = [x for x in (residual_of(stand_in(
+                        {t: r[f"pred_{COLUMN[t]}"] for t in COLUMN}, limit)[target], new[target])
+                        for r in ours if old_version and r["model_version"] == old_version)
+                        if x is not None]
                     shift = statistics.median(moved) if moved else None
                     with self.state.lock:
                         drift.rereference(uuid, spec, target, res, p.sigma.get(target, 0.0),
@@ -341,6 +375,7 @@ class Daemon:
 
     def _watchdog(self) -> None:
         self.apply_rebaseline_request()
+        self.store.check_file()  # deleted or replaced while running (logs itself)
         timeout = self.cfg.probes.measure.timeout_s
         for r in self.runners:
             since = self.state.devices[r.device.info.uuid].in_flight_since
@@ -350,9 +385,17 @@ class Daemon:
     # ----------------------------------------------------------------- run/stop
     def run_forever(self) -> None:
         wd = watchdog_interval()
-        while not self.stopping.wait(wd or 3600.0):
+        while not self.stopping.wait(min(wd, CHECK_S) if wd else CHECK_S):
+            self.check_clock()  # here, not a job: the scheduler is what a jump stops
             if wd and self.scheduler is not None and self.scheduler.running:
                 sd_notify("WATCHDOG=1")
+
+    def check_clock(self) -> float | None:
+        """A jump of the wall clock: re-arm the jobs, log and count it (gemmd.clockwatch)."""
+        jump = self.clock.check()
+        if jump is not None:
+            on_jump(jump, self.state, self.scheduler)
+        return jump
 
     def request_stop(self, signum: int | None = None) -> None:
         if not self.stopping.is_set():
@@ -372,8 +415,12 @@ class Daemon:
             if not r.wait_idle(max(0.0, deadline - time.monotonic())):
                 clean = False
                 logger.warning("%s: probe did not stop in time; abandoned", r.label)
-        # A refit cannot be interrupted inside scikit-learn: wait until the deadline, then
-        # leave it (it registers nothing once stopping is set) and keep the store open.
+        # A refit in a child process ends at once (SIGTERM; a model being registered is
+        # finished first). One in this process cannot be interrupted inside scikit-learn:
+        # wait until the deadline, then leave it (it registers nothing once stopping is
+        # set) and keep the store open.
+        if self._refits is not None:
+            self._refits.stop(max(0.0, deadline - time.monotonic() - 1.0))
         refit_done = self._refit_lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not refit_done:
             clean = False
@@ -386,6 +433,7 @@ class Daemon:
         if refit_done:
             self.store.close()
             self._refit_lock.release()
+        self._instance.release()
         logger.info("stopped")
         return clean
 

@@ -137,7 +137,7 @@ def test_invalid_config_reports_path_and_gist(data, path, gist):
 def test_duty_cycle_budget_cross_check_uses_interval():
     # 0.001 x 120 s is too little for one probe, but 0.001 x 2000 s = 2 s is enough.
     assert parse({"budget": {"duty_cycle": 0.001}, "schedule": {"probe_interval_s": 2000}})
-    assert problems_of({"budget": {"duty_cycle": 0.01},
+    assert problems_of({"budget": {"duty_cycle": 0.004},
                         "schedule": {"probe_interval_s": 100}})[0].startswith("budget.duty_cycle")
 
 
@@ -695,12 +695,12 @@ def test_cli_overrides_are_checked_like_the_file(args, gist):
 
 def test_check_config_warns_when_the_budget_cannot_run_a_whole_round(tmp_path):
     tight = tmp_path / "tight.yaml"
-    tight.write_text("schedule: {probe_interval_s: 5}\nbudget: {duty_cycle: 0.5}\n")
+    tight.write_text("schedule: {probe_interval_s: 2}\nbudget: {duty_cycle: 0.5}\n")
     r = run_cli("check-config", str(tight))
     assert r.returncode == 0 and r.stdout.strip().endswith(": OK")
-    assert r.stderr.startswith("gemmd: warning: budget: 0.5 x 5 s = 2.5 s a round fits "
-                               "about 2 of the 7 probes"), r.stderr
-    assert "each probe runs about every 4 rounds" in r.stderr
+    assert r.stderr.startswith("gemmd: warning: budget: 0.5 x 2 s = 1 s a round fits "
+                               "about 1 of the 3 probes"), r.stderr
+    assert "each probe runs about every 3 rounds" in r.stderr
     r = run_cli("check-config", str(REPO / "gemmd.yaml"))
     assert r.returncode == 0 and r.stderr == ""
 

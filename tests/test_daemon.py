@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 
 from conftest import HANG_S
 
@@ -155,3 +156,104 @@ def test_the_refit_job_records_each_outcome_in_the_state_once(tmp_path):
             [model.version]
     finally:
         store.close()
+
+
+def _refit_cfg(tmp_path, trees: int = 10):
+    base = Config()
+    probes = dataclasses.replace(
+        base.probes,
+        sentinels=(ProbeGroup(shapes=((1024, 1024, 1024), (4096, 4096, 4096)),
+                              dtypes=("bf16", "fp32")),),
+        measure=MeasureConfig(window_s=0.1, warmup_s=0.0))
+    return dataclasses.replace(
+        base, backend="fake", isolation="thread", state_dir=str(tmp_path), probes=probes,
+        listen=dataclasses.replace(base.listen, address="127.0.0.1", port=0),
+        budget=dataclasses.replace(base.budget, duty_cycle=1.0),
+        model=dataclasses.replace(base.model, min_samples=10, n_estimators=trees),
+        fake=FakeConfig(devices=(FakeDeviceConfig(),)))
+
+
+def test_a_refit_in_a_child_process_registers_the_model_the_daemon_then_loads(tmp_path):
+    """`gemmd run` refits in a child process (its working set leaves with it): the child
+    fits and registers; the daemon loads the model from the store and records the outcome,
+    as after a refit in its own process."""
+    d = Daemon(_refit_cfg(tmp_path), refit_process=True)
+    try:
+        d.refit()  # nothing stored yet
+        for _ in range(3):
+            d.runners[0].run_round()
+        d.refit()
+        d.refit()  # no probes since: rejected, the model stays
+        model = d.state.model
+        assert model.refits_total == {"insufficient_data": 1, "accepted": 1, "rejected": 1}
+        assert model.version == d.registry.current.version == "rf-1"
+        assert d.registry.current.kind == "random_forest"
+        assert d._refits is not None and d._refits.peak_mib and d._refits.peak_mib > 0
+        (activated,) = d.store.events(kinds=("model",))
+        assert activated["detail"]["version"] == "rf-1"
+        assert d._refits._child is None  # gone, and reaped
+    finally:
+        d.stop()
+
+
+def test_a_refit_process_failure_is_one_line_and_counted(tmp_path, caplog):
+    """The child's error (here: the model directory is a file, so the model cannot be
+    written) is logged once by the daemon, counted as a failed refit, not raised."""
+    d = Daemon(_refit_cfg(tmp_path), refit_process=True)
+    try:
+        for _ in range(3):
+            d.runners[0].run_round()
+        (tmp_path / "models").write_text("not a directory")
+        caplog.set_level(logging.INFO)
+        d.refit()
+        d.refit()
+        assert d.state.model.refits_total["failed"] == 2
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
+                  and r.name == "gemmd.daemon"]
+        assert len(errors) == 1 and errors[0].startswith("refit failed: "), errors
+        assert d.registry.current.kind == "roofline"
+    finally:
+        d.stop()
+
+
+def test_stopping_ends_a_refit_in_its_child_process_at_once(tmp_path):
+    """A refit in a child ends with the stop (SIGTERM: a model being registered is finished
+    first), not at the stop deadline; nothing half-written stays."""
+    import threading
+
+    from gemmd.daemon import STOP_TIMEOUT_S
+
+    d = Daemon(_refit_cfg(tmp_path, trees=5000), refit_process=True)
+    for _ in range(3):
+        d.runners[0].run_round()
+    t = threading.Thread(target=d.refit)
+    t.start()
+    _wait(lambda: d._refits is not None and d._refits._child is not None, "the refit child")
+    child = d._refits._child
+    t0 = time.monotonic()
+    clean = d.stop()
+    took = time.monotonic() - t0
+    t.join(timeout=HANG_S)
+    assert not t.is_alive() and clean
+    assert child.poll() is not None  # reaped
+    assert took < STOP_TIMEOUT_S
+    assert not list((tmp_path / "models").glob(".tmp-*"))
+    store = Store(tmp_path / "gemmd.db")
+    try:  # either stopped before registering (usually) or registered whole
+        for rec in store.models():
+            assert Path(rec["path"]).is_file(), rec
+    finally:
+        store.close()
+
+
+def test_a_new_state_directory_logs_one_store_line_not_one_per_migration(tmp_path, caplog):
+    from gemmd.store import SCHEMA_VERSION
+
+    caplog.set_level(logging.INFO, logger="gemmd.store")
+    Store(tmp_path / "gemmd.db").close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "gemmd.store"]
+    assert [ln for ln in lines if "schema" in ln] == \
+        [f"store {tmp_path / 'gemmd.db'}: created (schema {SCHEMA_VERSION})"], lines
+    caplog.clear()
+    Store(tmp_path / "gemmd.db").close()  # nothing to migrate: nothing said about it
+    assert not [r for r in caplog.records if "schema" in r.getMessage()]

@@ -79,7 +79,10 @@ def test_device_counters_context_and_model_info():
     assert g("gemmd_device_power_limit_watts", d) == 700
     assert g("gemmd_model_info", {"version": "roofline", "kind": "roofline"}) == 1
     assert g("gemmd_model_refits_total", {"outcome": "accepted"}) == 0
+    from gemmd.exporter.collectors import build_revision
+
     assert g("gemmd_build_info", {"version": __import__("gemmd").__version__,
+                                  "revision": build_revision(),
                                   "python_version": __import__("platform").python_version()}) == 1
     assert g("gemmd_scrape_collector_success") == 1
 
@@ -220,7 +223,7 @@ def test_device_info_has_driver_pci_vbios_and_sizes_are_gauges():
 
 def test_every_clock_event_reason_and_skip_reason_exists_from_the_start():
     from gemmd.devices.nvml import CLOCK_EVENT_REASONS
-    from gemmd.exporter.collectors import SKIP_REASONS
+    from gemmd.exporter.collectors import BUSY_REASONS, ROUND_SKIPS
 
     state, dev, *_ = _state_with_probe(slow=1.25)  # throttled: hw_thermal_slowdown active
     dev.armed = False
@@ -241,11 +244,16 @@ def test_every_clock_event_reason_and_skip_reason_exists_from_the_start():
     active = {s.labels["reason"]: s.value for s in _samples(reg, "gemmd_device_clock_event_active")
               if s.labels["gpu"] == "1"}
     assert set(active) == known | {"unknown_0x800"} and active["unknown_0x800"] == 1
+    # The same as NVML's (and DCGM's) bitmask, one series per device, unknown bits kept.
+    mask = {s.labels["gpu"]: s.value for s in _samples(reg, "gemmd_device_clock_event_reasons")}
+    assert mask == {"0": 0x40, "1": 0x800}
 
+    # The rounds' own skip reasons and the busy reasons the device's backend can give.
     skipped = {(s.labels["gpu"], s.labels["reason"]): s.value
                for s in _samples(reg, "gemmd_probes_skipped_total")}
     for gpu in ("0", "1"):
-        assert {r for g_, r in skipped if g_ == gpu} == set(SKIP_REASONS)
+        assert {r for g_, r in skipped if g_ == gpu} == set(ROUND_SKIPS) | set(
+            BUSY_REASONS["fake"])
     assert skipped[("0", "other_processes")] == 3 and skipped[("1", "other_processes")] == 0
 
 
@@ -255,7 +263,7 @@ def test_skip_reasons_cover_every_reason_gemmd_records():
     import ast
     import pathlib
 
-    from gemmd.exporter.collectors import SKIP_REASONS
+    from gemmd.exporter.collectors import BUSY_REASONS, SKIP_REASONS
 
     root = pathlib.Path(__file__).resolve().parent.parent / "gemmd"
     found: set[str] = set()
@@ -276,6 +284,14 @@ def test_skip_reasons_cover_every_reason_gemmd_records():
                                 found.add(v.value)
     assert {"device_down", "duty_cycle", "other_processes", "host_busy"} <= found
     assert found <= set(SKIP_REASONS), sorted(found - set(SKIP_REASONS))
+    # And each backend's busy_reason() gives only the reasons exported for its devices.
+    for backend, reasons in BUSY_REASONS.items():
+        tree = ast.parse((root / "devices" / f"{backend}.py").read_text())
+        (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+                 and n.name == "busy_reason"]
+        given = {c.value for c in ast.walk(fn) if isinstance(c, ast.Constant)
+                 and isinstance(c.value, str) and c.value in SKIP_REASONS}
+        assert given == set(reasons), backend
 
 
 def test_each_probe_says_whether_its_prediction_is_in_the_models_domain():
@@ -286,3 +302,81 @@ def test_each_probe_says_whether_its_prediction_is_in_the_models_domain():
     # The roofline (no model yet) is outside any training domain.
     assert p.in_domain is False
     assert reg.get_sample_value("gemmd_probe_prediction_in_domain", labels) == 0
+
+
+# ------------------------------------------------------------------ profiles and hostname
+
+
+def _families(reg) -> set[str]:
+    return {m.name for r in (reg.cached, reg.live) for m in r.collect() if m.samples}
+
+
+def test_the_lean_profile_keeps_what_rules_and_dashboards_read_and_the_full_one_all():
+    from gemmd.exporter.collectors import LEAN, LEAN_LABELS
+
+    state, dev, spec, m, p = _state_with_probe()
+    full = assemble(state, process=False)
+    lean = assemble(state, process=False, profile="lean")
+    full_names, lean_names = _families(full), _families(lean)
+    assert lean_names == full_names & LEAN
+    assert lean_names < full_names
+    # What only the full profile has: the detector's and the probe's details.
+    assert {"gemmd_probe_runtime_ratio", "gemmd_probe_flops_per_second",
+            "gemmd_device_clock_event_active"} <= full_names - lean_names
+    # The lean profile's per-GPU families are what the rules read (tests/test_rules.py)
+    # and the series the dashboards plot on their main rows.
+    assert {"gemmd_probe_runtime_seconds", "gemmd_probe_runtime_predicted_seconds",
+            "gemmd_probe_runtime_predicted_lower_seconds", "gemmd_device_drifting",
+            "gemmd_device_clock_event_reasons"} <= lean_names
+    assert set(LEAN_LABELS) <= LEAN
+    for name, (label, value) in LEAN_LABELS.items():
+        assert all(s.labels[label] == value for s in _samples(lean, name))
+    try:
+        assemble(state, profile="medium")
+        raise AssertionError("expected ValueError")
+    except ValueError as e:
+        assert "lean, full" in str(e)
+
+
+def test_every_series_carries_the_hostname_when_one_is_given(monkeypatch):
+    from gemmd.exporter.collectors import host_name
+
+    state, *_ = _state_with_probe()
+    text = Exposition(state, hostname="gpu-node-07", profile="lean").body().decode()
+    samples = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert samples and all('hostname="gpu-node-07"' in ln for ln in samples)
+    assert any(ln.startswith("process_resident_memory_bytes{") for ln in samples)
+    # Without one (the tests' default), no such label.
+    assert "hostname=" not in Exposition(state, process=False).body().decode()
+    # "auto": the Kubernetes node the pod runs on ($NODE_NAME), else the host's name.
+    monkeypatch.setenv("NODE_NAME", "gpu-node-09")
+    assert host_name("auto") == "gpu-node-09" and host_name("rack3-07") == "rack3-07"
+    monkeypatch.delenv("NODE_NAME")
+    import socket
+
+    assert host_name("auto") == host_name("") == socket.gethostname()
+
+
+def test_build_info_names_the_source_revision(tmp_path, monkeypatch):
+    from gemmd.exporter import collectors
+
+    monkeypatch.setenv("GEMMD_REVISION", "abc123def456")
+    collectors.build_revision.cache_clear()
+    try:
+        assert collectors.build_revision() == "abc123def456"
+    finally:
+        monkeypatch.delenv("GEMMD_REVISION")
+        collectors.build_revision.cache_clear()
+    # A checkout: HEAD's commit, read from .git (a branch, a packed ref, a detached HEAD).
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text("0123456789abcdef0123\n")
+    assert collectors._git_head(git) == "0123456789ab"
+    (git / "refs" / "heads" / "main").unlink()
+    (git / "packed-refs").write_text("# pack-refs\nfedcba9876543210aaaa refs/heads/main\n")
+    assert collectors._git_head(git) == "fedcba987654"
+    (git / "HEAD").write_text("1111222233334444\n")
+    assert collectors._git_head(git) == "111122223333"
+    revision = collectors.build_revision()
+    assert revision == "unknown" or len(revision) == 12, revision

@@ -14,17 +14,32 @@ configuration, which ``gemmd_probe_info`` spells out as labels once per probe (j
 ``* on(instance, probe) group_left(dtype, ...) gemmd_probe_info``). Label sets that exist
 for alerting (skip reasons, clock-event reasons, outcomes) are exported in full from the
 start, at 0: a series that only appears when something happens cannot be alerted on.
+
+Two profiles (``metrics.profile``): ``lean``, the default, exports what the shipped alert
+rules, recording rules and dashboards read (``LEAN``; about 50 series per GPU with the
+default plan of two sentinel probes); ``full`` adds the drift detector's internals, the
+probes' measurement details, the power and energy prediction intervals and the
+per-reason clock events (about 150 per GPU), for debugging. ``assemble()`` defaults to
+``full`` (the tests and the benches read everything); the daemon passes its setting.
+With ``hostname``, every series carries a ``hostname`` label (the host as operators name
+it: Kubernetes' node, dcgm-exporter's ``Hostname``).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
+import os
 import platform
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -32,6 +47,7 @@ from prometheus_client.registry import Collector
 
 from gemmd import __version__
 from gemmd.devices.nvml import CLOCK_EVENT_REASONS
+from gemmd.drift import CAUSES
 from gemmd.gemm import COLUMN, PROBE_LABELS, TARGETS, UNIT
 from gemmd.state import DeviceState, Snapshot, State
 
@@ -47,11 +63,140 @@ PROBE_SERIES_LABELS = (*DEVICE_LABELS, "probe")
 OUTCOMES = ("ok", "failed", "mismatch")
 KINDS = ("sentinel", "exploration")
 # Every reason a round or probe is skipped for (gemmd/rounds.py and the backends'
-# busy_reason()), exported from the start at 0 so that rate() and alerts see them.
-SKIP_REASONS = ("device_down", "duty_cycle", "unsupported",  # rounds.py
-                "other_processes", "utilization", "other_memory", "host_busy")  # busy_reason
+# busy_reason()), exported from the start at 0 so that rate() and alerts see them: the
+# rounds' own, and the busy reasons the device's backend can give.
+ROUND_SKIPS = ("device_down", "duty_cycle", "unsupported")  # rounds.py
+BUSY_REASONS = {"nvidia": ("other_processes", "utilization", "other_memory"),
+                "fake": ("other_processes", "utilization", "other_memory"),
+                "cpu": ("host_busy",)}
+SKIP_REASONS = (*ROUND_SKIPS, "other_processes", "utilization", "other_memory", "host_busy")
 # Every known clock-event reason, 0 or 1 on every device (CPU and fake ones included).
 CLOCK_EVENTS = tuple(CLOCK_EVENT_REASONS.values())
+_CLOCK_EVENT_BITS = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
+
+PROFILES = ("lean", "full")
+# The lean profile: every family the shipped rules (deploy/prometheus/gemmd.rules.yml) and
+# dashboards (grafana/dashboards) read, the host-level ones, and the probe series the
+# operator looks at (measured, predicted, the runtime interval, each probe's normal). What
+# only `full` has: the drift detector's internals (CUSUMs, thresholds, z-scores, scales,
+# per-probe alarms, armed/level/faster, alarm counters), the probes' measurement details
+# (ratio = measured / predicted, FLOP/s, CV, iterations, window, age, domain), the power and
+# energy prediction intervals, per-reason clock events (lean: the bitmask), static device
+# facts (SMs, memory, plan size). tests/test_rules.py checks that the rules read only these.
+LEAN = frozenset({
+    "gemmd_build_info", "gemmd_start_time_seconds", "gemmd_store_errors", "gemmd_clock_jumps",
+    "gemmd_probe_interval_seconds",
+    "gemmd_device_info", "gemmd_device_up", "gemmd_device_consecutive_failures",
+    "gemmd_probes", "gemmd_probes_skipped", "gemmd_device_rounds", "gemmd_device_probe_seconds",
+    "gemmd_device_last_round_timestamp_seconds", "gemmd_device_sm_clock_hertz",
+    "gemmd_device_memory_clock_hertz", "gemmd_device_temperature_celsius",
+    "gemmd_device_power_limit_watts", "gemmd_device_clock_event_reasons",
+    "gemmd_probe_info",
+    *(f"gemmd_probe_{t}_{u}" for t, u in UNIT.items()),
+    *(f"gemmd_probe_{t}_predicted_{u}" for t, u in UNIT.items()),
+    "gemmd_probe_runtime_predicted_lower_seconds", "gemmd_probe_runtime_predicted_upper_seconds",
+    "gemmd_probe_drift_reference_ratio",
+    "gemmd_device_drifting", "gemmd_device_drift_ratio", "gemmd_device_drift_cause",
+    "gemmd_device_peer_ratio", "gemmd_device_slower_than_peers",
+    "gemmd_drift_peer_margin_ratio", "gemmd_drift_tolerance_ratio",
+    "gemmd_model_info", "gemmd_model_training_samples", "gemmd_model_fit_timestamp_seconds",
+    "gemmd_model_validation_error_ratio", "gemmd_model_refits",
+    "gemmd_model_last_refit_timestamp_seconds",
+    "gemmd_device_probe_in_flight_seconds", "gemmd_scrape_collector_success",
+    "gemmd_scrape_duration_seconds",
+})
+# Families the lean profile keeps for some label values only: the peer comparison that
+# the rules read is the runtime's.
+LEAN_LABELS = {"gemmd_device_peer_ratio": ("target", "runtime")}
+
+
+def host_name(setting: str = "auto") -> str:
+    """The `hostname` label: ``setting`` unless "auto" (or empty): then $NODE_NAME (set
+    from the pod's spec.nodeName on Kubernetes, as dcgm-exporter reads it), else the host's
+    name."""
+    if setting and setting != "auto":
+        return setting
+    return os.environ.get("NODE_NAME", "").strip() or socket.gethostname()
+
+
+@functools.cache
+def build_revision() -> str:
+    """The source revision gemmd was built from: $GEMMD_REVISION (an image build sets it),
+    else the commit a pip install from git recorded, else the commit of the git checkout
+    the package is imported from (read from .git, no git command), else "unknown"."""
+    rev = os.environ.get("GEMMD_REVISION", "").strip()
+    if rev:
+        return rev
+    try:
+        direct = metadata.distribution("gemmd-gpu").read_text("direct_url.json")
+        commit = json.loads(direct or "{}").get("vcs_info", {}).get("commit_id")
+        if commit:
+            return str(commit)[:12]
+    except (metadata.PackageNotFoundError, ValueError, OSError, AttributeError):
+        pass
+    try:
+        return _git_head(Path(__file__).resolve().parents[2] / ".git") or "unknown"
+    except (OSError, ValueError, UnicodeDecodeError):
+        return "unknown"
+
+
+def _git_head(git: Path) -> str | None:
+    if git.is_file():  # a worktree: "gitdir: PATH"
+        text = git.read_text().strip()
+        if not text.startswith("gitdir:"):
+            return None
+        git = (git.parent / text.split(":", 1)[1].strip()).resolve()
+    head = (git / "HEAD").read_text().strip()
+    if not head.startswith("ref:"):
+        return head[:12] or None
+    ref = head.split(":", 1)[1].strip()
+    for base in (git, git / "commondir"):
+        if base.name == "commondir":  # a worktree's refs live in the main repository
+            if not base.is_file():
+                continue
+            base = (git / base.read_text().strip()).resolve()
+        loose = base / ref
+        if loose.is_file():
+            return loose.read_text().strip()[:12]
+        packed = base / "packed-refs"
+        if packed.is_file():
+            for line in packed.read_text().splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0][:12]
+    return None
+
+
+def clock_event_mask(reasons: Iterable[str]) -> int:
+    """NVML's clock-event bitmask (as DCGM_FI_DEV_CLOCKS_EVENT_REASONS) of reason names,
+    unknown bits (``unknown_0x...``) included."""
+    mask = 0
+    for r in reasons:
+        r = str(r)
+        if r in _CLOCK_EVENT_BITS:
+            mask |= _CLOCK_EVENT_BITS[r]
+        elif r.startswith("unknown_"):
+            try:
+                mask |= int(r.removeprefix("unknown_"), 16)
+            except ValueError:
+                pass
+    return mask
+
+
+def shaped(families: Iterable[Metric], profile: str = "full",
+           hostname: str | None = None) -> Iterator[Metric]:
+    """The families of a profile (lean: ``LEAN``, ``LEAN_LABELS``), each sample with the
+    ``hostname`` label when one is given."""
+    for fam in families:
+        if profile == "lean":
+            if fam.name not in LEAN:
+                continue
+            keep = LEAN_LABELS.get(fam.name)
+            if keep is not None:
+                fam.samples = [s for s in fam.samples if s.labels.get(keep[0]) == keep[1]]
+        if hostname is not None:
+            fam.samples = [s._replace(labels={**s.labels, "hostname": hostname})
+                           for s in fam.samples]
+        yield fam
 
 _TARGETS = tuple((t, UNIT[t], COLUMN[t], noun) for t, noun in zip(TARGETS, (
     "median per-GEMM runtime", "average power over the probe window", "energy per GEMM")))
@@ -90,12 +235,16 @@ class _Group(Collector):
 
     name = ""
 
-    def __init__(self, snapshots: Snapshots):
+    def __init__(self, snapshots: Snapshots, profile: str = "full",
+                 hostname: str | None = None):
         self.snapshots = snapshots
+        self.profile = profile
+        self.hostname = hostname
 
     def collect(self) -> Iterator[Metric]:
         try:
-            families = list(self.families(self.snapshots.get()))
+            families = list(shaped(self.families(self.snapshots.get()), self.profile,
+                                   self.hostname))
         except Exception:
             logger.exception("collecting the %s metrics failed", self.name)
             self.snapshots.failed.add(self.name)
@@ -113,14 +262,18 @@ class DaemonCollector(_Group):
     name = "daemon"
 
     def families(self, snap: Snapshot) -> Iterator[Metric]:
-        info = GaugeMetricFamily("gemmd_build_info", "gemmd build information",
-                                 labels=("version", "python_version"))
-        info.add_metric([__version__, platform.python_version()], 1)
+        info = GaugeMetricFamily("gemmd_build_info", "gemmd build information: version, "
+                                 "source revision, Python version", labels=(
+                                     "version", "revision", "python_version"))
+        info.add_metric([__version__, build_revision(), platform.python_version()], 1)
         yield info
         yield GaugeMetricFamily("gemmd_start_time_seconds",
                                 "Unix time the daemon started", value=self.snapshots.state.started)
         yield CounterMetricFamily("gemmd_store_errors", "Probe results that could not be "
                                   "written to the store", value=snap.store_errors_total)
+        yield CounterMetricFamily("gemmd_clock_jumps", "Jumps of the wall clock against the "
+                                  "monotonic clock the daemon saw (its jobs were re-armed)",
+                                  value=self.snapshots.state.clock_jumps_total)
         if snap.probe_interval_s:
             yield GaugeMetricFamily("gemmd_probe_interval_seconds",
                                     "Configured time between probe rounds of a device",
@@ -155,7 +308,7 @@ class DeviceCollector(_Group):
         skipped = CounterMetricFamily("gemmd_probes_skipped", "Probes not run, by reason",
                                       labels=(*L, "reason"))
         rounds = CounterMetricFamily("gemmd_device_rounds", "Probe rounds started", labels=L)
-        busy = CounterMetricFamily("gemmd_device_probe_seconds",
+        probing = CounterMetricFamily("gemmd_device_probe_seconds",
                                    "Device time spent running probes (rate() = duty cycle)",
                                    labels=L)
         last = GaugeMetricFamily("gemmd_device_last_round_timestamp_seconds",
@@ -173,6 +326,13 @@ class DeviceCollector(_Group):
         reasons = GaugeMetricFamily("gemmd_device_clock_event_active",
                                     "Clock-event (throttle) reasons active after the latest "
                                     "probe (1 = active)", labels=(*L, "reason"))
+        mask = GaugeMetricFamily("gemmd_device_clock_event_reasons",
+                                 "Clock-event (throttle) reasons active after the latest "
+                                 "probe, as NVML's bitmask (as dcgm-exporter's "
+                                 "DCGM_FI_DEV_CLOCKS_EVENT_REASONS: 0x4 sw_power_cap, 0x8 "
+                                 "hw_slowdown, 0x20 sw_thermal_slowdown, 0x40 "
+                                 "hw_thermal_slowdown, 0x80 hw_power_brake_slowdown, ...)",
+                                 labels=L)
         for d in devices:
             lv = _dev_labels(d)
             dinfo.add_metric([*lv, *_info_labels(d)], 1)
@@ -186,10 +346,11 @@ class DeviceCollector(_Group):
             for kind in KINDS:
                 for outcome in OUTCOMES:
                     probes.add_metric([*lv, kind, outcome], d.probes_total[(kind, outcome)])
-            for reason in sorted(set(SKIP_REASONS) | set(d.skipped_total)):
+            busy = BUSY_REASONS.get(d.info.backend, SKIP_REASONS[len(ROUND_SKIPS):])
+            for reason in sorted({*ROUND_SKIPS, *busy} | set(d.skipped_total)):
                 skipped.add_metric([*lv, reason], d.skipped_total[reason])
             rounds.add_metric(lv, d.rounds_total)
-            busy.add_metric(lv, d.probe_seconds_total)
+            probing.add_metric(lv, d.probe_seconds_total)
             if d.last_round_ts:
                 last.add_metric(lv, d.last_round_ts)
             for key, fam in ctx_fams.items():
@@ -201,8 +362,9 @@ class DeviceCollector(_Group):
             active = {str(r) for r in d.context.get("clock_event_reasons", [])}
             for r in sorted(set(CLOCK_EVENTS) | active):  # unknown bits (unknown_0x...) too
                 reasons.add_metric([*lv, r], 1.0 if r in active else 0.0)
-        yield from (dinfo, sms, mem, up, fails, plan, probes, skipped, rounds, busy, last,
-                    *ctx_fams.values(), reasons)
+            mask.add_metric(lv, float(clock_event_mask(active)))
+        yield from (dinfo, sms, mem, up, fails, plan, probes, skipped, rounds, probing, last,
+                    *ctx_fams.values(), reasons, mask)
 
 class ProbeCollector(_Group):
     """Per device and sentinel probe: measured, predicted, interval, ratio, window; and
@@ -362,14 +524,35 @@ class DriftCollector(_Group):
                 "together (pooling then gains nothing)", labels=L),
             "members": GaugeMetricFamily("gemmd_device_drift_probes",
                                          "Probes pooled in the latest round", labels=L),
+            "armed": GaugeMetricFamily(
+                "gemmd_device_drift_armed", "1 once the device's drift statistics for this "
+                "target have their baseline (a few rounds after start or a rebaseline, model "
+                "or not); 0 while it is taken (only a large step is caught then)", labels=L),
+            "level": GaugeMetricFamily(
+                "gemmd_device_drift_level_ratio", "The device's slow level: its rounds' "
+                "measured/normal, smoothed over about an hour (alarm when confidently beyond "
+                "1 + drift.tolerance)", labels=L),
+            "faster": GaugeMetricFamily(
+                "gemmd_device_drift_faster", "1 while the device is confidently faster (less "
+                "power, fewer joules) than its normal by more than drift.tolerance; held "
+                "for an hour, the new behaviour becomes its normal", labels=L),
             "peer": GaugeMetricFamily(
                 "gemmd_device_peer_ratio", "The device's normal (its learnt reference) "
                 "against the median of the other devices of the same model on the host, "
                 "pooled over probes (1.05: 5 % slower, more watts, more joules)", labels=L),
         }
         alarms = CounterMetricFamily("gemmd_device_drift_alarms",
-                                     "Drift alarms raised by the device's pooled statistic",
+                                     "Drift alarms raised for the device (by its pooled "
+                                     "statistic, its slow level or a probe's own track)",
                                      labels=L)
+        speedups = CounterMetricFamily("gemmd_device_drift_speedups", "Speed-ups taken as "
+                                       "the device's new normal", labels=L)
+        cause = GaugeMetricFamily(
+            "gemmd_device_drift_cause", "1 while the device is in drift alarm for this target, "
+            "labelled with why (reason: step, gradual, probe, intermittent) and what changed "
+            "with it (cause, from the probes' clocks, clock-event reasons, power limit and "
+            "temperature; description: the cause in words)",
+            labels=(*L, "reason", "cause", "description"))
         slower = GaugeMetricFamily(
             "gemmd_device_slower_than_peers", "1 while the device's normal runtime is "
             "slower than its same-model peers' on the host by more than drift.peer_margin "
@@ -386,8 +569,14 @@ class DriftCollector(_Group):
                 fams["drifting"].add_metric(lv, 1.0 if pooled or probe_drift.get(
                     (d.info.uuid, target), False) else 0.0)
                 alarms.add_metric(lv, tr.alarms if tr is not None else 0)
+                speedups.add_metric(lv, tr.speedups if tr is not None else 0)
+                fams["armed"].add_metric(lv, 1.0 if tr is not None and tr.ready() else 0.0)
                 if tr is None:
                     continue
+                if tr.drifting:
+                    code = tr.cause or "unknown"
+                    cause.add_metric([*lv, tr.reason or "step", code,
+                                      CAUSES.get(code, code)], 1.0)
                 if tr.peer_ratio is not None:
                     fams["peer"].add_metric(lv, tr.peer_ratio)
                 if not tr.ready():
@@ -398,16 +587,24 @@ class DriftCollector(_Group):
                     if v is not None:
                         fams[key].add_metric(lv, v)
                 fams["members"].add_metric(lv, tr.members)
+                fams["level"].add_metric(lv, math.exp(tr.level))
+                fams["faster"].add_metric(lv, 1.0 if tr.faster > 0 else 0.0)
             rt = dd.targets.get("runtime") if dd is not None else None
             slower.add_metric(dl, 1.0 if rt is not None and rt.slower else 0.0)
         yield from fams.values()
         yield alarms
+        yield speedups
+        yield cause
         yield slower
         if cfg is not None:
             yield GaugeMetricFamily(
                 "gemmd_drift_peer_margin_ratio", "drift.peer_margin: how much slower than "
                 "its peers a device may be before it is flagged (0.03 = 3 %)",
                 value=cfg.peer_margin)
+            yield GaugeMetricFamily(
+                "gemmd_drift_tolerance_ratio", "drift.tolerance: slow wiggles below this "
+                "(0.02 = 2 %) are no fault; a change that holds beyond it is",
+                value=cfg.tolerance)
 
 
 class ModelCollector(_Group):
@@ -452,12 +649,16 @@ class ModelCollector(_Group):
 class LiveCollector(Collector):
     """What changes between scrapes without a state change: rendered on every scrape."""
 
-    def __init__(self, state: State, snapshots: Snapshots):
+    def __init__(self, state: State, snapshots: Snapshots, hostname: str | None = None):
         self.state = state
         self.snapshots = snapshots
+        self.hostname = hostname
         self.last_duration = 0.0
 
     def collect(self) -> Iterator[Metric]:
+        return shaped(self._collect(), "full", self.hostname)
+
+    def _collect(self) -> Iterator[Metric]:
         inflight = GaugeMetricFamily("gemmd_device_probe_in_flight_seconds",
                                      "How long the probe now running has been running",
                                      labels=DEVICE_LABELS)
@@ -498,15 +699,30 @@ class Metrics:
         return None
 
 
-def assemble(state: State, *, process: bool = True) -> Metrics:
-    """Every metric group of gemmd over ``state`` (the daemon's exposition and the tests)."""
+class _Process(Collector):
+    """prometheus_client's process_* metrics, with the ``hostname`` label."""
+
+    def __init__(self, hostname: str | None):
+        self.process = ProcessCollector(registry=None)
+        self.hostname = hostname
+
+    def collect(self) -> Iterator[Metric]:
+        return shaped(self.process.collect(), "full", self.hostname)
+
+
+def assemble(state: State, *, process: bool = True, profile: str = "full",
+             hostname: str | None = None) -> Metrics:
+    """Every metric group of gemmd over ``state`` (the daemon's exposition and the tests):
+    the ``profile``'s families (``PROFILES``), each series labelled ``hostname`` if given."""
+    if profile not in PROFILES:
+        raise ValueError(f"metrics profile {profile!r} is not one of {', '.join(PROFILES)}")
     snapshots = Snapshots(state)
     cached = CollectorRegistry(auto_describe=False)
     for group in STATE_GROUPS:
-        cached.register(group(snapshots))
-    live_collector = LiveCollector(state, snapshots)
+        cached.register(group(snapshots, profile, hostname))
+    live_collector = LiveCollector(state, snapshots, hostname)
     live = CollectorRegistry(auto_describe=False)
     live.register(live_collector)
     if process:
-        ProcessCollector(registry=live)
+        live.register(_Process(hostname))
     return Metrics(cached, live, live_collector)
