@@ -593,9 +593,9 @@ def causes(seeds: int, window: float) -> list[dict]:
     """Each fake fault scenario, measured by gemmd's protocol on a fake H100 and judged
     by DriftMonitor with the probes' context: the cause named when the alarm came."""
     from gemmd.config import FakeDeviceConfig
+    from gemmd.devices.base import measure
     from gemmd.devices.fake import FakeDevice, Scenario
     from gemmd.drift import measured_of, stand_in
-    from gemmd.probes import measure
 
     logging.getLogger("gemmd.drift").setLevel(logging.ERROR)
     plan = default_plan()
@@ -721,7 +721,7 @@ def measure_plan(out: Path, seconds: float) -> int:
     runtime, power and energy of each measurement (plan_cost.csv)."""
     from gemmd.config import Config
     from gemmd.devices import open_devices
-    from gemmd.probes import measure
+    from gemmd.devices.base import measure
 
     deadline = time.monotonic() + seconds
     cfg = dataclasses.replace(Config(), backend=os.environ.get("BACKEND", "nvidia"),

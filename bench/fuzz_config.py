@@ -39,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gemmd import config  # noqa: E402
+from gemmd import config, files  # noqa: E402
 from gemmd.errors import ConfigError  # noqa: E402
 
 SHIPPED = (ROOT / "gemmd.yaml").read_text()
@@ -342,7 +342,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="gemmd-fuzz-run-") as tmp:
             return 1 if run_campaign(Path(tmp), 60.0, tree=args.tree) else 0
     if args.pure:
-        config._Loader = config._PyLoader
+        files._Loader = files._PyLoader
     r = random.Random(args.seed)
     outcomes: collections.Counter = collections.Counter()
     by_kind: collections.Counter = collections.Counter()
@@ -390,7 +390,7 @@ def main() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{args.n} cases (seed {args.seed}) in {total:.1f} s; slowest {slowest[0]:.2f} s "
           f"({slowest[1]}); peak RSS {rss:.0f} MiB; libyaml: "
-          f"{config._Loader is not config._PyLoader}")
+          f"{files._Loader is not files._PyLoader}")
     for outcome, n in sorted(outcomes.items()):
         print(f"  {outcome:32} {n:6}")
     print("  by kind: " + ", ".join(f"{k}/{o}={n}" for (k, o), n in sorted(by_kind.items())))

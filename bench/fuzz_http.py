@@ -52,7 +52,8 @@ SERVER = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 from gemmd.exporter.exposition import Exposition
-from gemmd.exporter.http import load_web_config, serve
+from gemmd.config import load_web_config
+from gemmd.exporter.http import serve
 from gemmd.state import State
 web = load_web_config(sys.argv[1]) if sys.argv[1] else None
 httpd = serve(Exposition(State(), process=False), "127.0.0.1", 0, web_config=web,

@@ -260,8 +260,8 @@ def run_cmd(cmd: Sequence[str], timeout: float) -> tuple[int, str, str]:
 
 def measure_row(dev: Any, spec: Any, cfg: Any) -> dict[str, Any]:
     """One probe measured in-process, flattened; a failure is a row, not an exception."""
+    from gemmd.devices.base import measure
     from gemmd.errors import UnsupportedProbe
-    from gemmd.probes import measure
 
     row: dict[str, Any] = {"probe": spec.name, **dataclasses.asdict(spec)}
     try:
@@ -346,7 +346,7 @@ def step_probe(ctx: Ctx) -> None:
 
 def step_sweep(ctx: Ctx) -> None:
     from gemmd.config import MeasureConfig
-    from gemmd.probes import ProbeSpec
+    from gemmd.gemm import ProbeSpec
 
     dev = ctx.device()
     shapes = [(1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 1024)]
@@ -492,7 +492,8 @@ def step_fidelity(ctx: Ctx) -> None:
     if not ctx.gpu:
         raise Skip("needs a GPU (compares with cupy.matmul and torch.matmul)")
     from gemmd.config import MeasureConfig
-    from gemmd.probes import ProbeSpec, measure
+    from gemmd.devices.base import measure
+    from gemmd.gemm import ProbeSpec
 
     dev = ctx.device()
     ordinal = int(dev.info.extra["cuda_ordinal"])
@@ -543,12 +544,8 @@ def step_fidelity(ctx: Ctx) -> None:
 
 def step_energy(ctx: Ctx) -> None:
     from gemmd.config import MeasureConfig
-    from gemmd.probes import (
-        ProbeSpec,
-        energy_figures,
-        iterations_for_window,
-        power_between_steps,
-    )
+    from gemmd.devices.base import energy_figures, iterations_for_window, power_between_steps
+    from gemmd.gemm import ProbeSpec
 
     dev = ctx.device()
     default_w = MeasureConfig().window_s
@@ -798,7 +795,7 @@ def replay_archive(archive: Path, probes: Sequence[str] = ()) -> int:
     """``--replay ARCHIVE``: the slowdown of a past run (results.tar.gz) through today's
     drift detector; ``probes`` limits the plan (e.g. today's default sentinels)."""
     from gemmd.config import Config
-    from gemmd.probes import ProbeSpec
+    from gemmd.gemm import ProbeSpec
 
     with tarfile.open(archive) as tar:
         def rows_of(name: str) -> list[dict[str, Any]]:
@@ -964,7 +961,8 @@ def step_launch(ctx: Ctx) -> None:
     if not ctx.gpu:
         raise Skip("needs a GPU (host cost of cuBLAS launches)")
     from gemmd.config import MeasureConfig
-    from gemmd.probes import ProbeSpec, measure
+    from gemmd.devices.base import measure
+    from gemmd.gemm import ProbeSpec
 
     dev = ctx.device()
     sizes = [1 << p for p in range(6, 11 if ctx.quick else 13)]  # 64 .. 4096

@@ -16,15 +16,14 @@ from typing import Any
 
 from gemmd import rebaseline
 from gemmd.clockwatch import CHECK_S, ClockWatch, interval, on_jump
-from gemmd.config import Config
+from gemmd.config import Config, load_web_config
 from gemmd.devices import Device
 from gemmd.drift import predicted_of, residual_of, stand_in
 from gemmd.errors import GemmdError
-from gemmd.exporter import Exposition, load_web_config, serve
-from gemmd.exporter.collectors import host_name
+from gemmd.exporter import Exposition, host_name, serve
 from gemmd.features import spec_of
 from gemmd.gemm import COLUMN, ProbeSpec
-from gemmd.probes import Measurement
+from gemmd.records import Measurement
 from gemmd.refit import RefitFailed, RefitProcess, error_text
 from gemmd.registry import RefitResult
 from gemmd.rounds import DeviceRunner, device_label, save_events

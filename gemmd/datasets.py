@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gemmd.devices.base import DeviceInfo
 from gemmd.errors import InputError
 from gemmd.features import NUMERIC_DEFAULTS, Table, concat, flops
 from gemmd.gemm import DATA_KERNELS, DTYPES, LAYOUTS, TARGET_COLUMNS
 from gemmd.hardware import CATALOGUE, Catalogue, SpecError, compact, spec_from_mapping
+from gemmd.records import DeviceInfo
 
 # ------------------------------------------------------------------ known GPUs
 

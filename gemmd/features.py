@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import DeviceInfo
 from gemmd.gemm import (
     COLUMN,
     DATA_KERNELS,
@@ -30,6 +29,7 @@ from gemmd.gemm import (
     gemm_flops,
     roofline_s,
 )
+from gemmd.records import DeviceInfo
 
 # Optional numeric columns and their value when a row does not say (0 = unknown).
 NUMERIC_DEFAULTS = {"batch": 1.0, "tile": 0.0, "cta_m": 0.0, "cta_n": 0.0, "cta_k": 0.0,

@@ -23,12 +23,12 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gemmd.devices.base import DeviceInfo
-
-DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8")  # as gemmd.gemm.DTYPES
+from gemmd.errors import ConfigError
+from gemmd.files import read_file, read_yaml  # the hardened reader of gemmd.yaml
+from gemmd.gemm import DTYPES
+from gemmd.records import DeviceInfo
 
 # Dense FLOP per clock per SM by compute capability (tensor cores where the dtype uses
 # them). Multiplied by SM count and max SM clock they give datasheet-level peaks, e.g.
@@ -98,8 +98,6 @@ class GpuSpec:
 
     def info(self, uuid: str | None = None) -> DeviceInfo:
         """A reference DeviceInfo (backend "reference") with these figures."""
-        from gemmd.devices.base import DeviceInfo
-
         extra: dict[str, Any] = {"vendor": self.vendor, "key": self.key,
                                  "source": self.source}
         if self.cc:
@@ -507,9 +505,6 @@ def _positive(v: Any, where: str, allow_none: bool = False) -> Any:
 def load_gpu_specs(path: str | Path, catalogue: Catalogue | None = None) -> list[GpuSpec]:
     """GPU descriptions from a YAML or JSON file: one mapping, a list of them, or
     ``{gpus: [...]}`` (see spec_from_mapping for the fields). SpecError on any problem."""
-    from gemmd.config import read_file, read_yaml  # the hardened reader of gemmd.yaml
-    from gemmd.errors import ConfigError
-
     path = Path(path)
     try:  # bounded: /dev/zero, a FIFO or a huge file is refused, not read forever
         source, text = read_file(path)

@@ -34,13 +34,14 @@ from typing import Any
 import numpy as np
 
 from gemmd import bounds, features
-from gemmd.config import ModelConfig, file_sha256
-from gemmd.devices.base import DeviceInfo
-from gemmd.devices.nvml import import_hiding_cupy
+from gemmd.config import ModelConfig
 from gemmd.errors import ModelError, naming
 from gemmd.features import Table
+from gemmd.files import file_sha256
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
+from gemmd.gpulibs import import_hiding_cupy
 from gemmd.hardware import gpu_model_key
+from gemmd.records import DeviceInfo, Prediction
 
 # Bumped whenever features or target spaces change: older files are refused, not misread.
 # 3: datasheet peaks from the GPU catalogue, calibrated intervals and the training domain.
@@ -69,33 +70,6 @@ MAX_SAMPLES = 20_000
 LAUNCH_S = 3e-6
 
 Progress = Callable[[int], None]
-
-
-@dataclass
-class Prediction:
-    """Point prediction and interval per target; None where the predictor has no estimate."""
-
-    runtime_s: float | None = None
-    runtime_lo: float | None = None
-    runtime_hi: float | None = None
-    power_w: float | None = None
-    power_lo: float | None = None
-    power_hi: float | None = None
-    energy_j: float | None = None
-    energy_lo: float | None = None
-    energy_hi: float | None = None
-    sigma: dict[str, float] = field(default_factory=dict)  # log-space std per target
-    # False where the model has no data like this GEMM (a GPU, dtype or kernel it never
-    # saw, or a size far outside the trained range); ``domain`` then says why, briefly.
-    # Such predictions are guesses: their interval is widened to say so.
-    in_domain: bool = True
-    domain: str = ""
-    # Per target, why it is outside the domain ('' inside): power and energy are in the
-    # domain only where power was measured, so they can be out where runtime is in.
-    domains: dict[str, str] = field(default_factory=dict)
-
-    def target_in_domain(self, target: str) -> bool:
-        return not self.domains.get(target, "" if self.in_domain else self.domain)
 
 
 class RooflinePredictor:

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 
 from gemmd.config import ModelConfig
-from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError, StoreError
 from gemmd.features import NUMERIC_DEFAULTS, TARGET_COLUMNS, TEXT_DEFAULTS, Table
 from gemmd.gemm import ProbeSpec
-from gemmd.model import ForestModel, Prediction, RooflinePredictor, TransferModel
+from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.modelfile import check_archive
+from gemmd.records import DeviceInfo, Prediction
 from gemmd.state import State
 from gemmd.store import Store
 

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from gemmd.config import Config
-from gemmd.devices.base import BusyLimits, Device
+from gemmd.devices import BusyLimits, Device
 from gemmd.drift import Alarm, Transition, measured_of, predicted_of, stand_in
 from gemmd.errors import DeviceError, GemmdError, ProbeCancelled, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
-from gemmd.model import Prediction
-from gemmd.probes import Measurement, as_row, build_plan, exploration_specs
+from gemmd.probes import build_plan, exploration_specs
+from gemmd.records import Measurement, Prediction, as_row
 from gemmd.registry import ModelRegistry
 from gemmd.state import ProbeState, State
 from gemmd.store import Store

@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gemmd.config import DriftConfig
-from gemmd.devices.base import DeviceInfo
 from gemmd.drift import DeviceDrift, DriftMonitor, Track
 from gemmd.gemm import ProbeSpec
-from gemmd.model import Prediction
-from gemmd.probes import Measurement
+from gemmd.records import DeviceInfo, Measurement, Prediction
 
 
 @dataclass

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gemmd import config
-from gemmd.config import Config, MeasureConfig, load, parse
+from gemmd import config, files
+from gemmd.config import Config, MeasureConfig, checks, load, parse
 from gemmd.errors import ConfigError
 
 # Not a speed target (speed is measured in bench/): a bound far above normal, far below
@@ -286,15 +286,15 @@ def test_state_dir_auto_home_fallback(monkeypatch, tmp_path):
 # ------------------------------------------------------------------ hostile input (issue 12)
 # Every case: a ConfigError naming the key path (and line), quickly; never a traceback.
 
-LOADERS = [pytest.param(config._Loader, id="libyaml" if config._Loader is not
-                        config._PyLoader else "python"),
-           pytest.param(config._PyLoader, id="pure-python")]
+LOADERS = [pytest.param(files._Loader, id="libyaml" if files._Loader is not
+                        files._PyLoader else "python"),
+           pytest.param(files._PyLoader, id="pure-python")]
 
 
 @pytest.fixture(params=LOADERS)
 def loader(request, monkeypatch):
     """Run a test with libyaml's parser and with the pure-Python one."""
-    monkeypatch.setattr(config, "_Loader", request.param)
+    monkeypatch.setattr(files, "_Loader", request.param)
     return request.param
 
 
@@ -306,7 +306,7 @@ def only_problem(tmp_path, text, **kw):
 
 def test_libyaml_parser_is_used_when_available():
     if getattr(yaml, "__with_libyaml__", False):
-        assert issubclass(config._Loader, yaml.CSafeLoader)
+        assert issubclass(files._Loader, yaml.CSafeLoader)
 
 
 @pytest.mark.parametrize("depth", [5000, 100_000])  # 100k overflowed libyaml's composer (C)
@@ -318,10 +318,10 @@ def test_deep_nesting_is_refused(tmp_path, loader, depth, opener, closer, gist_p
     problem = only_problem(tmp_path, text + "\n")
     assert time.monotonic() - t0 < HANG_S
     assert problem.startswith(gist_path)
-    assert f"nested deeper than {config.MAX_DEPTH} levels (line " in problem
+    assert f"nested deeper than {files.MAX_DEPTH} levels (line " in problem
 
 
-class _RefusesNestingItself(config._PyLoader):
+class _RefusesNestingItself(files._PyLoader):
     """A parser with a nesting limit of its own, as libyaml 0.2.6 (PyYAML 6.0.4's wheels)
     has: it refuses before gemmd's composer sees any event, with its own message."""
 
@@ -336,18 +336,18 @@ class _RefusesNestingItself(config._PyLoader):
 def test_a_parser_that_refuses_deep_nesting_itself_still_names_the_key_path(
         tmp_path, monkeypatch, opener, closer, gist_path):
     # Whichever PyYAML and libyaml read the file: gemmd's one line with the key path.
-    monkeypatch.setattr(config, "_Loader", _RefusesNestingItself)
+    monkeypatch.setattr(files, "_Loader", _RefusesNestingItself)
     text = "x: 1\nprobes: " + ("\n" if opener == "- " else "") + opener * 2000 + "1" + \
         closer * 2000
     problem = only_problem(tmp_path, text + "\n")
     assert problem.startswith(gist_path)
-    assert f"nested deeper than {config.MAX_DEPTH} levels (line " in problem
+    assert f"nested deeper than {files.MAX_DEPTH} levels (line " in problem
 
 
 def test_nesting_refused_by_the_parser_alone_is_still_gemmds_message(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "_Loader", _RefusesNestingItself)
+    monkeypatch.setattr(files, "_Loader", _RefusesNestingItself)
     assert only_problem(tmp_path, "probes: [[1]]\n") == \
-        f"<top>: nested deeper than {config.MAX_DEPTH} levels (line 2)"
+        f"<top>: nested deeper than {files.MAX_DEPTH} levels (line 2)"
 
 
 @pytest.mark.parametrize("where", ["top", "value", "list"])
@@ -364,7 +364,7 @@ def test_alias_bomb_is_refused_quickly(tmp_path, loader, where):
     t0 = time.monotonic()
     problem = only_problem(tmp_path, text)
     assert time.monotonic() - t0 < HANG_S
-    assert f"aliases expand the document beyond {config.MAX_VALUES:,} values" in problem
+    assert f"aliases expand the document beyond {files.MAX_VALUES:,} values" in problem
     assert "(line " in problem
 
 
@@ -385,7 +385,7 @@ def test_modest_aliases_and_merge_keys_still_work(tmp_path, loader):
 
 
 def test_oversized_file_is_refused_before_parsing(tmp_path):
-    problem = only_problem(tmp_path, "#" * config.MAX_FILE_BYTES + "\n")
+    problem = only_problem(tmp_path, "#" * files.MAX_FILE_BYTES + "\n")
     assert problem.startswith("larger than 1024 KiB")
 
 
@@ -396,7 +396,7 @@ def test_dev_zero_is_refused_with_a_bounded_read():
 
 
 class TickingClock:
-    """config.clock, injected: every reading is ``step`` seconds after the previous one, so
+    """files.clock, injected: every reading is ``step`` seconds after the previous one, so
     the parse-time cap fires after a fixed amount of work, however fast the machine is."""
 
     def __init__(self, step: float):
@@ -413,7 +413,7 @@ def frozen_clock(monkeypatch):
     """No time passes while a test reads YAML: the parse-time cap never fires, whatever
     else runs on the machine (a test about another cap must not race this one)."""
     clock = TickingClock(0.0)
-    monkeypatch.setattr(config, "clock", clock)
+    monkeypatch.setattr(files, "clock", clock)
     return clock
 
 
@@ -421,7 +421,7 @@ def test_parse_time_is_capped(tmp_path, loader, monkeypatch):
     # The clock is read once for the deadline (5 s later), then once per 1,024 events, each
     # reading a second later: it has passed at the 6th of those, 6 x 1,024 events in.
     clock = TickingClock(1.0)
-    monkeypatch.setattr(config, "clock", clock)
+    monkeypatch.setattr(files, "clock", clock)
     problem = only_problem(tmp_path, "devices: [" + ", ".join(["0"] * 10_000) + "]\n")
     assert problem == "devices[6140]: reading took longer than 5 s (line 1)"
     assert clock.reads == 1 + 6
@@ -429,7 +429,7 @@ def test_parse_time_is_capped(tmp_path, loader, monkeypatch):
 
 def test_parse_time_cap_is_not_reached_by_a_normal_file(tmp_path, loader, monkeypatch):
     clock = TickingClock(1.0)
-    monkeypatch.setattr(config, "clock", clock)
+    monkeypatch.setattr(files, "clock", clock)
     assert load(SHIPPED) == Config()
     assert clock.reads == 1  # a few hundred events: the clock is read only for the deadline
 
@@ -440,13 +440,13 @@ def test_large_file_is_refused_by_the_value_cap(tmp_path, loader, frozen_clock):
     row = "    - {shapes: [[1024, 1024, 1024]], dtypes: [fp32], kernels: [blas]}\n"
     text = "probes:\n  sentinels:\n" + row * (1_000_000 // len(row))
     problem = only_problem(tmp_path, text)  # refused by the value cap, not read in full
-    assert f"more than {config.MAX_VALUES:,} values" in problem
+    assert f"more than {files.MAX_VALUES:,} values" in problem
     assert problem.startswith("probes.sentinels[")
 
 
 def test_a_commented_file_near_the_size_cap_loads(tmp_path, loader, frozen_clock):
     text = SHIPPED.read_text()
-    text += "# padding\n" * ((config.MAX_FILE_BYTES - len(text)) // 10)
+    text += "# padding\n" * ((files.MAX_FILE_BYTES - len(text)) // 10)
     p = tmp_path / "c.yaml"
     p.write_text(text)
     assert load(p) == Config()
@@ -544,7 +544,7 @@ def test_odd_yaml_is_a_config_error(tmp_path, loader, text):
 
 def test_problem_list_is_bounded(tmp_path):
     problems = problems_of_file(tmp_path, "".join(f"k{i}: 1\n" for i in range(500)))
-    assert len(problems) == config.MAX_PROBLEMS + 1
+    assert len(problems) == checks.MAX_PROBLEMS + 1
     assert problems[-1] == "<top>: 400 more problems not shown"
 
 

@@ -21,8 +21,8 @@ from conftest import HANG_S
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gemmd import config
-from gemmd.config import Config, load, parse
+from gemmd import files
+from gemmd.config import Config, checks, load, parse
 from gemmd.errors import ConfigError
 
 SHIPPED = (Path(__file__).resolve().parent.parent / "gemmd.yaml").read_text()
@@ -106,7 +106,7 @@ def _check(outcome: Config | ConfigError, source: str | None = None) -> None:
     assert isinstance(outcome, ConfigError)
     if source is not None:
         assert outcome.source == source
-    assert 1 <= len(outcome.problems) <= config.MAX_PROBLEMS + 1
+    assert 1 <= len(outcome.problems) <= checks.MAX_PROBLEMS + 1
     for p in outcome.problems:
         assert isinstance(p, str) and len(p) < 2000, p
 
@@ -200,9 +200,9 @@ texts = st.one_of(
     documents.map(lambda d: yaml.dump(d, Dumper=_Dumper, allow_unicode=True)),
     token_soup, st.text(max_size=200), mangled_shipped(), deep(), alias_bomb())
 
-LOADERS = [pytest.param(config._Loader, 300, id="libyaml" if config._Loader is not
-                        config._PyLoader else "python"),
-           pytest.param(config._PyLoader, 100, id="pure-python")]
+LOADERS = [pytest.param(files._Loader, 300, id="libyaml" if files._Loader is not
+                        files._PyLoader else "python"),
+           pytest.param(files._PyLoader, 100, id="pure-python")]
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +227,10 @@ def test_any_yaml_text_loads_or_raises_config_error(fuzz_file, loader, examples)
         assert time.monotonic() - t0 < HANG_S  # no hang (the caps on values and depth)
         _check(outcome, str(fuzz_file))
 
-    # The parse-time cap stays out of it (no time passes on config.clock): whether it fired
+    # The parse-time cap stays out of it (no time passes on files.clock): whether it fired
     # would depend on the machine's speed; test_config.py tests it with a clock of its own.
-    with mock.patch.object(config, "_Loader", loader), \
-            mock.patch.object(config, "clock", lambda: 0.0):
+    with mock.patch.object(files, "_Loader", loader), \
+            mock.patch.object(files, "clock", lambda: 0.0):
         run()
 
 

@@ -685,9 +685,9 @@ def test_name_cause_from_the_probes_context():
 def test_the_alarm_names_its_cause_on_the_fake_scenarios(kind, factor, target, cause):
     """Each fault of the fake backend, measured by gemmd's protocol, judged with the
     probes' context: the device alarm names what changed."""
+    from gemmd.devices.base import measure
     from gemmd.devices.fake import FakeDevice, Scenario
     from gemmd.drift import measured_of, stand_in
-    from gemmd.probes import measure
 
     plan = [ProbeSpec(8192, 8192, 8192, "bf16"), ProbeSpec(8192, 8192, 8192, "fp32")]
     dev = FakeDevice(0, FakeConfig().devices[0], seed=1, jitter=0.003)

@@ -6,11 +6,11 @@ import dataclasses
 import threading
 
 from gemmd.config import FakeDeviceConfig, MeasureConfig
+from gemmd.devices.base import measure
 from gemmd.devices.fake import FakeDevice
 from gemmd.exporter import Exposition, assemble
 from gemmd.gemm import ProbeSpec
 from gemmd.model import RooflinePredictor
-from gemmd.probes import measure
 from gemmd.state import ProbeState, State
 
 
@@ -190,7 +190,7 @@ def test_probe_series_carry_device_labels_and_probe_only_and_probe_info_the_rest
 
 
 def test_device_info_has_driver_pci_vbios_and_sizes_are_gauges():
-    from gemmd.devices.base import DeviceInfo
+    from gemmd.records import DeviceInfo
 
     extra = {"driver_version": "550.90.07", "cuda_driver_version": "12.4",
              "pci_bus_id": "00000000:18:00.0", "vbios_version": "96.00.89.00.01",
@@ -222,8 +222,8 @@ def test_device_info_has_driver_pci_vbios_and_sizes_are_gauges():
 
 
 def test_every_clock_event_reason_and_skip_reason_exists_from_the_start():
-    from gemmd.devices.nvml import CLOCK_EVENT_REASONS
     from gemmd.exporter.collectors import BUSY_REASONS, ROUND_SKIPS
+    from gemmd.records import CLOCK_EVENT_REASONS
 
     state, dev, *_ = _state_with_probe(slow=1.25)  # throttled: hw_thermal_slowdown active
     dev.armed = False

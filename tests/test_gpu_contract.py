@@ -35,10 +35,10 @@ from cupy_backends.cuda.libs import cublas as cupy_cublas
 
 from gemmd.config import MeasureConfig
 from gemmd.devices import cublas, nvidia, nvml
+from gemmd.devices.base import measure
 from gemmd.devices.nvml import Nvml
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
-from gemmd.probes import measure
 
 ROOT = Path(__file__).resolve().parent.parent
 BUS = "00000000:18:00.0"

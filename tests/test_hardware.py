@@ -8,8 +8,8 @@ import json
 import pytest
 
 from gemmd import hardware
-from gemmd.devices.base import DeviceInfo
 from gemmd.hardware import CATALOGUE, SpecError, enrich_device_info, gpu_model_key
+from gemmd.records import DeviceInfo
 
 
 @pytest.mark.parametrize("name, key", [

@@ -25,9 +25,12 @@ import bcrypt
 import pytest
 from conftest import HANG_S
 
+from gemmd.config import load_web_config
 from gemmd.errors import ConfigError
+from gemmd.exporter.access import BasicAuth
+from gemmd.exporter.app import gzip_wanted
 from gemmd.exporter.exposition import Exposition
-from gemmd.exporter.http import BasicAuth, gzip_wanted, load_web_config, serve
+from gemmd.exporter.http import serve
 from gemmd.state import State
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -903,7 +906,7 @@ def test_wrong_passwords_never_starve_a_good_scrape(start, tmp_path, monkeypatch
     credential is answered from the cache (no bcrypt, no slot), a new one from an address
     without failures is checked first, wrong ones are limited per address (429) and in
     CPU, and logged once. bcrypt is made slow by sleeping (no CPU: any machine speed)."""
-    from gemmd.exporter.http import _AuthGate
+    from gemmd.exporter.access import _AuthGate
 
     real, calls = bcrypt.checkpw, []
 

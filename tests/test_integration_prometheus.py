@@ -376,8 +376,9 @@ def test_prometheus_scrapes_over_https_with_basic_auth(tmp_path, prometheus_fact
     import bcrypt
     from test_http import make_pki
 
+    from gemmd.config import load_web_config
     from gemmd.exporter import Exposition
-    from gemmd.exporter.http import load_web_config, serve
+    from gemmd.exporter.http import serve
     from gemmd.state import State
 
     pki = make_pki(tmp_path / "pki")

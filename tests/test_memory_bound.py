@@ -158,7 +158,7 @@ def test_each_refit_hands_freed_memory_back(tmp_path, host, monkeypatch):
 
 _NO_CUPY = """
 import resource, sys
-from gemmd.devices.nvml import import_hiding_cupy
+from gemmd.gpulibs import import_hiding_cupy
 {before}
 sio = import_hiding_cupy("skops.io")
 assert sio.loads(sio.dumps({{"a": [1, 2]}}), trusted=[]) == {{"a": [1, 2]}}

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from gemmd.config import FakeDeviceConfig, MeasureConfig, ModelConfig
+from gemmd.devices.base import measure
 from gemmd.devices.fake import MODELS, FakeDevice, simulated_runtime
 from gemmd.errors import ModelError
 from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor
-from gemmd.probes import as_row, measure
+from gemmd.records import as_row
 from gemmd.registry import ModelRegistry
 from gemmd.state import State
 from gemmd.store import Store
@@ -275,7 +276,7 @@ def test_a_forest_fitted_on_other_features_is_refused(tmp_path, fitted):
     path = tmp_path / "forged.skops"
     sio.dump({"forests": {**model.forests, "runtime": small}, "sigma": dict(model.sigma),
               "z": model.z, "meta": json.dumps(model.meta)}, path)
-    from gemmd.config import file_sha256 as _sha256
+    from gemmd.files import file_sha256 as _sha256
 
     with pytest.raises(ModelError, match="runtime forest does not read gemmd's"):
         ForestModel.load(path, _sha256(path))  # the checksum matches: it was forged too

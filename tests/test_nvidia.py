@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 from cuda_standin import FakePynvml  # tied to the real pynvml's functions and constants
 
-from gemmd import hardware
+from gemmd import gpulibs, hardware
 from gemmd.devices import nvidia
-from gemmd.devices import nvml as nvml_mod
 from gemmd.devices.base import over_budget
+from gemmd.devices.check import check_result
 from gemmd.devices.nvml import Nvml, decode_reasons, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceUnavailable
 from gemmd.gemm import ProbeSpec
-from gemmd.probes import check_result
 
 
 def _gpus(**extra):
@@ -102,7 +101,7 @@ def test_a_gpu_without_cupy_is_unavailable_with_the_extra_to_install(monkeypatch
 def test_the_extra_named_follows_the_driver_and_names_both_when_unknown(monkeypatch):
     import sys
 
-    from gemmd.devices.nvml import cuda_extra
+    from gemmd.gpulibs import cuda_extra
 
     fake = FakePynvml(_gpus())
     assert cuda_extra(fake) == "cuda13"
@@ -114,7 +113,7 @@ def test_the_extra_named_follows_the_driver_and_names_both_when_unknown(monkeypa
     with pytest.raises(DeviceUnavailable, match=r"^CuPy is not installed \(pip install "
                        r"'gemmd-gpu\[cuda12\]' or pip install 'gemmd-gpu\[cuda13\]' for a "
                        r"CUDA 12 / 13 driver\)$"):
-        nvml_mod.import_gpu_library("cupy", "CuPy")
+        gpulibs.import_gpu_library("cupy", "CuPy")
 
 
 def test_peak_flops_and_bandwidth_match_datasheets():

@@ -7,19 +7,12 @@ import numpy as np
 import pytest
 
 from gemmd.config import ExplorationConfig, FakeDeviceConfig, MeasureConfig, ProbeGroup
+from gemmd.devices.base import energy_figures, iteration_stats, iterations_for_window, measure
+from gemmd.devices.check import check_result, check_tolerance
 from gemmd.devices.fake import MODELS, FakeDevice
 from gemmd.errors import ProbeCancelled, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
-from gemmd.probes import (
-    build_plan,
-    check_result,
-    check_tolerance,
-    energy_figures,
-    exploration_specs,
-    iteration_stats,
-    iterations_for_window,
-    measure,
-)
+from gemmd.probes import build_plan, exploration_specs
 
 # ------------------------------------------------------------------ ProbeSpec
 

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gemmd.config import BACKENDS, Config, cannot_write_in, path_problem, shown
+from gemmd.config import BACKENDS, Config
+from gemmd.files import cannot_write_in, path_problem, shown
 from gemmd.gemm import DATA_KERNELS, DTYPES, KERNELS, LAYOUTS
 
 EXIT_RUNTIME = 1  # a device, store or listen failure, a bad file, a failed probe

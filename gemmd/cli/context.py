@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gemmd.cli.args import UsageError
-from gemmd.config import Config, check, load, shown
+from gemmd.config import Config, check, load
 from gemmd.errors import GemmdError, InputError
+from gemmd.files import shown
 
 if TYPE_CHECKING:
     from gemmd.datasets import Dataset

@@ -48,9 +48,9 @@ from gemmd.gemm import COLUMN
 if TYPE_CHECKING:
     import numpy as np
 
-    from gemmd.devices.base import DeviceInfo
     from gemmd.hardware import Catalogue
     from gemmd.model import ForestModel, RooflinePredictor, TransferModel
+    from gemmd.records import DeviceInfo
 
 
 # ------------------------------------------------------------------ fit, evaluate

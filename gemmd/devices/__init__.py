@@ -10,12 +10,12 @@ import logging
 from collections.abc import Sequence
 
 from gemmd.config import Config
-from gemmd.devices.base import Device, DeviceInfo
+from gemmd.devices.base import BusyLimits, Device
 from gemmd.errors import DeviceUnavailable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Device", "DeviceInfo", "open_devices", "select"]
+__all__ = ["BusyLimits", "Device", "open_devices", "select"]
 
 
 def select(devices: Sequence[Device], wanted: str | Sequence[int | str]) -> list[Device]:

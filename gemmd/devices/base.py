@@ -1,36 +1,28 @@
-"""The narrow Device interface every backend implements.
+"""The narrow Device interface every backend implements, and the measurement protocol.
 
 Units are SI at this boundary: seconds, joules, watts, hertz, bytes, FLOP/s.
+
+A probe is one GEMM configuration run back to back for a timed window. The protocol
+(warm-up, window sized from the warm-up, energy-counter delta over the window) is written
+once here against the Device primitives so that every backend measures the same way.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gemmd.errors import UnsupportedProbe
+import numpy as np
+
+from gemmd.config import MeasureConfig
+from gemmd.errors import DeviceError, ProbeCancelled, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
-from gemmd.probes import Measurement
-
-if TYPE_CHECKING:
-    from gemmd.config import MeasureConfig
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    index: int
-    uuid: str
-    name: str  # model name, e.g. "NVIDIA H100 80GB HBM3"
-    backend: str  # "nvidia" | "cpu" | "fake"
-    peak_flops: dict[str, float]  # dense peak FLOP/s per dtype (datasheet or estimate)
-    mem_bandwidth: float  # bytes/s
-    sm_count: int | None = None
-    memory_bytes: int | None = None
-    power_limit_w: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+from gemmd.records import DeviceInfo, Measurement
 
 
 @dataclass(frozen=True)
@@ -176,9 +168,110 @@ class Device(abc.ABC):
     def measure(self, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool = False,
                 cancel: threading.Event | None = None) -> Measurement:
         """Run the measurement protocol here (a worker-process device runs it remotely)."""
-        from gemmd.probes import measure
-
         return measure(self, spec, cfg, check=check, cancel=cancel)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and handles."""
+
+
+# ------------------------------------------------------------------ measurement
+
+
+def iterations_for_window(per_iter_s: float, window_s: float, min_iters: int,
+                          max_iters: int) -> int:
+    """Iterations needed to fill ``window_s`` at ``per_iter_s`` each, within the bounds."""
+    if not math.isfinite(per_iter_s):  # infinitely slow (or NaN): as few as allowed
+        return min_iters
+    if per_iter_s <= 0:
+        return max_iters
+    return int(min(max(math.ceil(window_s / per_iter_s), min_iters), max_iters))
+
+
+def iteration_stats(times: Sequence[float]) -> dict[str, float]:
+    t = np.asarray(times, dtype=np.float64)
+    mean = float(t.mean())
+    return {"runtime_s": float(np.median(t)), "runtime_mean_s": mean,
+            "runtime_min_s": float(t.min()), "runtime_p90_s": float(np.percentile(t, 90)),
+            "runtime_cv": float(t.std() / mean) if mean > 0 else 0.0}
+
+
+def energy_figures(e0: float | None, e1: float | None, window_s: float, iterations: int
+                   ) -> tuple[float | None, float | None]:
+    """(energy per GEMM, average power) from two counter reads; None when unavailable.
+
+    A counter that did not move (or went backwards: reset, wrap not handled by the
+    device) yields None rather than a zero or negative figure.
+    """
+    if e0 is None or e1 is None or window_s <= 0 or iterations <= 0:
+        return None, None
+    delta = e1 - e0
+    if delta <= 0:
+        return None, None
+    return delta / iterations, delta / window_s
+
+
+def power_between_steps(steps: Sequence[tuple[float, float]], window_s: float
+                        ) -> float | None:
+    """Average power between the first and last observed counter steps of a busy window.
+
+    NVML's counter moves in ~100 ms steps, so a window read at arbitrary times carries up to
+    a step of error at each end (about +-10% on a 1 s window). Between two observed steps
+    the energy is exact and only the host's polling latency (~1 ms) errs. Needs the steps
+    to span at least half of the window; else None (use the window delta).
+    """
+    if len(steps) < 2:
+        return None
+    (ta, ea), (tb, eb) = steps[0], steps[-1]
+    if tb - ta < 0.5 * window_s or eb <= ea:
+        return None
+    return (eb - ea) / (tb - ta)
+
+
+def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool = False,
+            cancel: threading.Event | None = None) -> Measurement:
+    """Run the measurement protocol for one spec on one device.
+
+    Raises DeviceError (device failed), UnsupportedProbe (e.g. over the memory budget) or
+    ProbeCancelled (shutdown requested mid-probe; nothing is recorded).
+    """
+    cancel = cancel or threading.Event()
+    started = device.clock()
+    device.prepare(spec)
+    # Warm-up: at least warmup_iters and warmup_s of device time; its median sizes the window.
+    # Batches double so that a microsecond GEMM does not cost thousands of host round trips.
+    warm: list[float] = []
+    batch = 1
+    while len(warm) < cfg.warmup_iters or sum(warm) < cfg.warmup_s:
+        warm.extend(device.run(spec, batch, cancel))
+        batch = min(batch * 2, cfg.max_iters)
+        if cancel.is_set():
+            raise ProbeCancelled(spec.name)
+    iters = iterations_for_window(float(np.median(warm)), cfg.window_s, cfg.min_iters,
+                                  cfg.max_iters)
+    ctx_before = device.context()
+    run = device.run_observed(spec, iters, cancel)
+    power_sample = device.power_w()
+    if cancel.is_set():
+        raise ProbeCancelled(spec.name)
+    if not run.times:
+        raise DeviceError(f"{spec.name}: the device ran no GEMM in the window")
+    ctx_after = device.context()
+    iters, window = len(run.times), run.t1 - run.t0
+    energy, power = energy_figures(run.e0, run.e1, window, iters)
+    method = "window" if energy is not None else None
+    step_power = power_between_steps(run.steps, window)
+    if step_power is not None:
+        # Exact counter values at two observed steps while busy: no partial-step error.
+        power, energy, method = step_power, step_power * float(np.mean(run.times)), "steps"
+    ctx_after = dict(ctx_after, energy_method=method)
+    st = iteration_stats(run.times)
+    m = Measurement(spec=spec, iterations=iters, window_s=window, energy_j=energy,
+                    power_w=power, power_sample_w=power_sample,
+                    context={"before": ctx_before, "after": ctx_after},
+                    runtime_s=st["runtime_s"], runtime_mean_s=st["runtime_mean_s"],
+                    runtime_min_s=st["runtime_min_s"], runtime_p90_s=st["runtime_p90_s"],
+                    runtime_cv=st["runtime_cv"])
+    if check:
+        m.check_ok, m.check_error = device.check(spec)
+    m.elapsed_s = max(0.0, device.clock() - started)
+    return m

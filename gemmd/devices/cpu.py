@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import BufferCache, BusyLimits, Device, DeviceInfo
+from gemmd.devices.base import BufferCache, BusyLimits, Device
+from gemmd.devices.check import check_result
 from gemmd.errors import DeviceError
 from gemmd.gemm import ProbeSpec
-from gemmd.probes import check_result
+from gemmd.records import DeviceInfo
 
 logger = logging.getLogger(__name__)
 

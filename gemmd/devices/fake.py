@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from gemmd.config import FakeDeviceConfig
-from gemmd.devices.base import BusyLimits, Device, DeviceInfo, Run
+from gemmd.devices.base import BusyLimits, Device, Run
 from gemmd.errors import DeviceError, DeviceFault
 from gemmd.gemm import DTYPE_BYTES, ProbeSpec
+from gemmd.records import DeviceInfo
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from gemmd.devices.base import BufferCache, BusyLimits, Device, DeviceInfo, Run
+from gemmd.devices.base import BufferCache, BusyLimits, Device, Run
+from gemmd.devices.check import check_result
 from gemmd.devices.cublas import (
     COMPUTE,
     CUDA_R,
@@ -35,11 +36,12 @@ from gemmd.devices.cublas import (
     Cublas,
     CublasError,
 )
-from gemmd.devices.nvml import GpuRecord, Nvml, import_gpu_library, parse_visible_devices
+from gemmd.devices.nvml import GpuRecord, Nvml, parse_visible_devices
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable
 from gemmd.gemm import ProbeSpec
+from gemmd.gpulibs import import_gpu_library
 from gemmd.hardware import arch_rates, bandwidth, enrich_device_info, peak_flops
-from gemmd.probes import check_result
+from gemmd.records import DeviceInfo
 
 logger = logging.getLogger(__name__)
 

@@ -7,32 +7,16 @@ a fake module. Every NVML error becomes a gemmd error here, with the NVML cause 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-import sys
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 from gemmd.errors import DeviceError, DeviceUnavailable
+from gemmd.gpulibs import import_gpu_library
+from gemmd.records import CLOCK_EVENT_REASONS
 
-# nvmlClocksEventReason* bits (nvml.h; "throttle reasons" in older drivers). 0x200 and 0x400
-# exist only under their nvmlClocksThrottleReason* names in pynvml.
-CLOCK_EVENT_REASONS = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-    0x200: "board_limit",
-    0x400: "reliability",
-}
 # nvml.h constants gemmd uses; the contract tests compare them with pynvml's.
 _CLOCK_SM, _CLOCK_MEM, _TEMP_GPU = 1, 2, 0  # NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU
 _ERROR_GPU_IS_LOST, _ERROR_NOT_SUPPORTED = 15, 3
@@ -86,57 +70,6 @@ class GpuRecord:
     driver_version: str = ""
     cuda_driver_version: str = ""  # e.g. "13.0"
     vbios_version: str = ""
-
-
-# GPU libraries are imported under this lock, so that import_hiding_cupy never hides CuPy
-# from a thread that wants it.
-_IMPORT_LOCK = threading.RLock()
-
-
-def cuda_extra(module: Any = None) -> str:
-    """The extra that matches this host's CUDA driver ("cuda13" for a CUDA 13 driver,
-    "cuda12" for 12), asked of NVML where nvidia-ml-py is installed; "cuda12|cuda13" where
-    it can't be told."""
-    try:
-        nv = module if module is not None else importlib.import_module("pynvml")
-        nv.nvmlInit()
-        major = int(nv.nvmlSystemGetCudaDriverVersion_v2()) // 1000
-    except Exception:  # no pynvml, no driver: say both
-        return "cuda12|cuda13"
-    return f"cuda{major}" if major in (12, 13) else "cuda12|cuda13"
-
-
-def import_gpu_library(name: str, what: str) -> ModuleType:
-    """Import one of the NVIDIA backend's libraries (the cuda12 or cuda13 extra), or say
-    how to get it: DeviceUnavailable, which makes ``backend: auto`` fall back to the CPU."""
-    with _IMPORT_LOCK:
-        try:
-            return importlib.import_module(name)
-        except ImportError as e:
-            extra = cuda_extra() if name != "pynvml" else "cuda12|cuda13"
-            hint = " or ".join(f"pip install 'gemmd-gpu[{x}]'" for x in extra.split("|"))
-            raise DeviceUnavailable(f"{what} is not installed ({hint}"
-                                    f"{' for a CUDA 12 / 13 driver' if '|' in extra else ''})"
-                                    ) from e
-
-
-def import_hiding_cupy(name: str) -> ModuleType:
-    """Import ``name`` with CuPy hidden (unless something imported CuPy already), for
-    skops.io: skops imports every scikit-learn module to list the types it trusts, among
-    them scikit-learn's array-API shim for CuPy, which imports CuPy wherever the CUDA extra
-    is installed: 165 MB more RSS in every gemmd that saves or loads a model (the daemon's
-    parent, gemmd predict), none of which runs CuPy (probes run in worker processes).
-    scikit-learn skips the shim when CuPy cannot be imported; CuPy stays importable."""
-    modules: dict[str, Any] = sys.modules  # None there makes `import cupy` fail at once
-    with _IMPORT_LOCK:
-        hide = "cupy" not in modules
-        if hide:
-            modules["cupy"] = None
-        try:
-            return importlib.import_module(name)
-        finally:
-            if hide and "cupy" in modules and modules["cupy"] is None:
-                del modules["cupy"]
 
 
 class Nvml:

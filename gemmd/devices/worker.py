@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gemmd.config import MeasureConfig
-from gemmd.devices.base import BusyLimits, Device, DeviceInfo, Run
+from gemmd.devices.base import BusyLimits, Device, Run
 from gemmd.errors import (
     DeviceError,
     DeviceFault,
@@ -30,7 +30,7 @@ from gemmd.errors import (
     UnsupportedProbe,
 )
 from gemmd.gemm import ProbeSpec
-from gemmd.probes import Measurement
+from gemmd.records import DeviceInfo, Measurement
 
 logger = logging.getLogger(__name__)
 

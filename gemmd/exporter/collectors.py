@@ -46,9 +46,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gemmd import __version__
-from gemmd.devices.nvml import CLOCK_EVENT_REASONS
 from gemmd.drift import CAUSES
 from gemmd.gemm import COLUMN, PROBE_LABELS, TARGETS, UNIT
+from gemmd.records import CLOCK_EVENT_REASONS
 from gemmd.state import DeviceState, Snapshot, State
 
 logger = logging.getLogger(__name__)

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from gemmd.config import DriftConfig, ModelConfig
-from gemmd.devices.base import DeviceInfo
 from gemmd.errors import InputError, ModelError
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
+from gemmd.records import DeviceInfo
 from gemmd.report import readonly
 from gemmd.report.page import (
     MIN_ROWS,

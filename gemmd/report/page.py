@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import gemmd
-from gemmd.config import cannot_write_in, path_problem, shown
 from gemmd.errors import InputError
+from gemmd.files import cannot_write_in, path_problem, shown
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

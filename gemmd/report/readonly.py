@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from gemmd.devices.base import DeviceInfo
 from gemmd.errors import ModelError, StoreError
+from gemmd.records import DeviceInfo
 from gemmd.store import (
     INTERVAL_COLUMNS,
     REQUIRED_COLUMNS,
