@@ -7,9 +7,14 @@
 #
 # Every Python package comes at the version pinned in requirements/image-${CUDA}.txt (the
 # build backend too), so a rebuild gives the same image; `make lock` moves the pins.
-ARG PYTHON=3.12
+#
+# The base is pinned by digest (python:3.12-slim's multi-platform index), so a rebuild
+# starts from the same bytes; `make image-base` resolves the tag's current digest when
+# moving it on purpose. No registry is reachable from where this file is tested: a digest
+# that no longer resolves fails the build at its first line, never silently.
+ARG BASE=python:3.12-slim@sha256:78387bc3881b8273120a12ebe6c1ab22b018ccc2c9adf565ae1ac9b536e184ea
 
-FROM python:${PYTHON}-slim AS wheel
+FROM ${BASE} AS wheel
 ARG CUDA=cuda12
 WORKDIR /src
 COPY requirements/image-${CUDA}.txt /tmp/constraints.txt
@@ -17,8 +22,17 @@ COPY pyproject.toml README.md LICENSE ./
 COPY gemmd ./gemmd
 RUN PIP_CONSTRAINT=/tmp/constraints.txt pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
-FROM python:${PYTHON}-slim
+FROM ${BASE}
 ARG CUDA=cuda12
+# What the image is, for registries and `docker inspect` (OCI image-spec annotations).
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="gemmd" \
+      org.opencontainers.image.description="Scheduled GEMM probes on every GPU, measured vs predicted, as Prometheus metrics (${CUDA})" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="docker.io/library/python:3.12-slim"
 COPY --from=wheel /dist/ /tmp/dist/
 COPY requirements/image-${CUDA}.txt /tmp/constraints.txt
 RUN set -eu; \

@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 LOCK := requirements/test.txt
 PIN := PIP_CONSTRAINT=$(CURDIR)/$(LOCK)
 
-.PHONY: run test test-loaded lock setup image
+.PHONY: run test test-loaded lock setup image image-base
 
 # `make run` needs gemmd only; `make test` also the test tools and the real CuPy,
 # nvidia-ml-py and cuBLAS wheels the GPU contract tests run against (~0.7 GB).
@@ -66,5 +66,10 @@ lock: $(VENV)/.run-deps
 
 # The container image (Dockerfile): needs a Docker daemon and access to the python base image.
 VERSION = $(shell $(PY) -c "import re; print(re.search(r'__version__ = \"(.+)\"', open('gemmd/__init__.py').read()).group(1))")
+REVISION = $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 image:
-	docker build -t gemmd:$(VERSION) .
+	docker build --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t gemmd:$(VERSION) .
+
+# The base image's current digest, to move the Dockerfile's pin on purpose.
+image-base:
+	docker buildx imagetools inspect python:3.12-slim --format '{{json .Manifest.Digest}}'
