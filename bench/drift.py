@@ -54,9 +54,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gemmd import drift as D  # noqa: E402
 from gemmd.config import DriftConfig, MeasureConfig, ProbesConfig  # noqa: E402
 from gemmd.drift import DriftMonitor  # noqa: E402
+from gemmd.drift import device as DD  # noqa: E402
+from gemmd.drift import params as DP  # noqa: E402
+from gemmd.drift import series as DS  # noqa: E402
 from gemmd.gemm import ProbeSpec  # noqa: E402
 
 ROUND_S = 120.0
@@ -272,14 +274,14 @@ class Fleet:
         self.G, self.T, self.P, self.cfg = gpus, targets, probes, cfg
         self.S = gpus * targets
         self.N = self.S * probes
-        self.kappa = D.allowance(cfg.shift, cfg.tolerance)
-        self.kappa_fast = D.fast_allowance(cfg.shift)
+        self.kappa = DS.allowance(cfg.shift, cfg.tolerance)
+        self.kappa_fast = DD.fast_allowance(cfg.shift)
         self.tol = math.log1p(min(cfg.tolerance, cfg.shift))
         self.gen = Gen(gpus, probes, noise, rng)
         self.offset = np.zeros((gpus, targets, probes))
         self.ps: dict[str, np.ndarray] | None = None
         self.zs: dict[str, np.ndarray] | None = None
-        self.dv = D.new_device_state(self.S)
+        self.dv = DD.new_device_state(self.S)
         self.base: list[np.ndarray] = []
         self.hits = np.zeros(self.S)
         self.cut = np.zeros(self.S, int)
@@ -300,27 +302,27 @@ class Fleet:
             self.base.append(xs)
             n = len(self.base)
             b = np.stack(self.base)
-            if n >= D.BASE_FIRST + 1:
-                hit = D.baseline_check(b, floor, self.kappa)
+            if n >= DP.BASE_FIRST + 1:
+                hit = DD.baseline_check(b, floor, self.kappa)
                 self.hits = np.where(hit, self.hits + 1, 0.0)
-                least = 1 if n >= cfg.baseline_probes else D.BASE_HITS
+                least = 1 if n >= cfg.baseline_probes else DP.BASE_HITS
                 new = (self.hits >= least) & (self.cut == 0)
                 self.cut = np.where(new, n - self.hits.astype(int), self.cut)
-                up, _ = D._alarm(self.dv, self.hits >= D.BASE_HITS, np.full(S, D.STEP), hit,
-                                 hit, ~hit, now)
+                up, _ = DD._alarm(self.dv, self.hits >= DP.BASE_HITS, np.full(S, DP.STEP), hit,
+                                  hit, ~hit, now)
             else:
                 up = np.zeros(S, bool)
             if n >= cfg.baseline_probes:
                 cutp = np.repeat(self.cut, Pn)
-                self.ps = D.start(b.reshape(n, N), np.where(cutp > 0, cutp, n))
-                u, g = D.innovations(self.ps, b.reshape(n, N), floor)
-                z, _ = D.pool(u.reshape(n - 1, S, Pn), g.reshape(S, Pn), kappa=self.kappa_fast)
-                self.zs = D.start(z, np.where(self.cut > 1, self.cut - 1, n - 1))
-                sc = D.long_run_scales(self.ps, floor).reshape(S, Pn)
+                self.ps = DS.start(b.reshape(n, N), np.where(cutp > 0, cutp, n))
+                u, g = DS.innovations(self.ps, b.reshape(n, N), floor)
+                z, _ = DD.pool(u.reshape(n - 1, S, Pn), g.reshape(S, Pn), kappa=self.kappa_fast)
+                self.zs = DS.start(z, np.where(self.cut > 1, self.cut - 1, n - 1))
+                sc = DS.long_run_scales(self.ps, floor).reshape(S, Pn)
                 devs = b - self.ps["reference"].reshape(S, Pn)
-                ys, _ = D.pooled_deviation(devs, sc[None])
-                D.warm_level(self.dv, ys)
-                self.dv["young_thr"] = D.young_threshold(b, self.cut, floor, self.kappa)
+                ys, _ = DD.pooled_deviation(devs, sc[None])
+                DD.warm_level(self.dv, ys)
+                self.dv["young_thr"] = DD.young_threshold(b, self.cut, floor, self.kappa)
                 self.dv["young"] = np.zeros(S)
                 self.dv["hits"] = self.hits.copy()
             else:
@@ -328,34 +330,34 @@ class Fleet:
             return up.reshape(self.G, self.T)
         ps, zs, dv = self.ps, self.zs, self.dv
         assert zs is not None
-        settled = ~((zs["level_n"] >= D.LEVEL_N) & (self.tol > 0) &
+        settled = ~((zs["level_n"] >= DP.LEVEL_N) & (self.tol > 0) &
                     (np.abs(dv["level"]) - 2 * np.nan_to_num(dv["level_se"]) > self.tol / 2))
-        calm = D.in_control(zs) & ~dv["drifting"] & (dv["faster"] == 0) & settled
-        rp = D.step(ps, xs.reshape(N), gain=1.0, floor=floor, learn=np.repeat(calm, Pn),
-                    shift=cfg.shift, arl0=cfg.arl0, now=now, kappa=self.kappa,
-                    cap_h=D.CAP_PROBE, learn_z=D.LEARN_Z, tails=True)
-        z, gz = D.pool(ps["last_u"].reshape(S, Pn), ps["gain"].reshape(S, Pn),
-                       kappa=self.kappa_fast)
+        calm = DS.in_control(zs) & ~dv["drifting"] & (dv["faster"] == 0) & settled
+        rp = DS.step(ps, xs.reshape(N), gain=1.0, floor=floor, learn=np.repeat(calm, Pn),
+                     shift=cfg.shift, arl0=cfg.arl0, now=now, kappa=self.kappa,
+                     cap_h=DP.CAP_PROBE, learn_z=DP.LEARN_Z, tails=True)
+        z, gz = DD.pool(ps["last_u"].reshape(S, Pn), ps["gain"].reshape(S, Pn),
+                        kappa=self.kappa_fast)
         drift_p = ps["drifting"].reshape(S, Pn)
         calm2 = ~drift_p.any(axis=1) & ~dv["drifting"] & (dv["faster"] == 0) & settled
-        how = D.pooled_settings(zs["n"], dv["band"], gz, cfg.shift, cfg.tolerance)
-        fast = D.step(zs, z - how["offset"], gain=gz, floor=1.0, learn=calm2, shift=cfg.shift,
-                      arl0=cfg.arl0, now=now, phi_z=how["phi_z"], learn_z=D.DEVICE_LEARN_Z,
-                      kappa=how["kappa"], cap_h=D.CAP_POOLED, misfit_z=D.MISFIT_Z, tails=True,
-                      chi_z=how["chi_z"], level_z=how["level_z"])
+        how = DD.pooled_settings(zs["n"], dv["band"], gz, cfg.shift, cfg.tolerance)
+        fast = DS.step(zs, z - how["offset"], gain=gz, floor=1.0, learn=calm2, shift=cfg.shift,
+                       arl0=cfg.arl0, now=now, phi_z=how["phi_z"], learn_z=DP.DEVICE_LEARN_Z,
+                       kappa=how["kappa"], cap_h=DP.CAP_POOLED, misfit_z=DP.MISFIT_Z, tails=True,
+                       chi_z=how["chi_z"], level_z=how["level_z"])
         raw = ps["scale"]
         sc = np.maximum(np.where(np.isfinite(raw) & (raw > 0), raw, floor), floor).reshape(S, Pn)
-        y, prior = D.pooled_deviation(ps["prev"].reshape(S, Pn), sc)
+        y, prior = DD.pooled_deviation(ps["prev"].reshape(S, Pn), sc)
         w = 1.0 / (sc * sc)
         lvar = sc * sc / np.maximum(ps["level_n"].reshape(S, Pn), 1.0)
         ref_var = (w * w * lvar).sum(axis=1) / w.sum(axis=1) ** 2
         alive = zs["drifting"] | (zs["cusum"] > np.nan_to_num(zs["h"], nan=np.inf) / 2)
         zsc = np.clip(np.nan_to_num(zs["scale"], nan=1.0), 1.0, math.sqrt(Pn))
-        up, _, speed = D.device_step(
+        up, _, speed = DD.device_step(
             dv, y, prior * zsc, ref_var, fast_raised=fast, fast_alive=alive,
             probe_raised=rp.reshape(S, Pn).any(axis=1), probe_alive=drift_p.any(axis=1),
             kappa=self.kappa, tolerance=cfg.tolerance, now=now,
-            moved=D.together(ps["prev"].reshape(S, Pn)))
+            moved=DD.together(ps["prev"].reshape(S, Pn)))
         self.spd = np.where(np.repeat(dv["faster"] > 0, Pn), self.spd + ps["prev"], 0.0)
         busy = (dv["drifting"] | ps["drifting"].reshape(S, Pn).any(axis=1)
                 ).reshape(self.G, self.T).any(axis=1)
@@ -503,7 +505,7 @@ def intermittent(noise: Noise, gpus: int, probes: int, seed: int, share: float =
         f.offset[slow, 2, :] = size
         raises += int(f.step()[:, 0].sum())
     on = f.drifting()[:, 0]
-    inter = f.reason()[:, 0] == D.INTERMITTENT
+    inter = f.reason()[:, 0] == DP.INTERMITTENT
     return {"raises": raises, "gpu_days": gpus * days, "on": int(on.sum()),
             "inter": int((on & inter).sum()), "n": gpus}
 

@@ -194,7 +194,7 @@ def test_a_full_disk_names_the_file_a_refit_or_drift_save_could_not_write(tmp_pa
 
     import skops.io
 
-    import gemmd.drift
+    import gemmd.drift.persistence
     from gemmd.daemon import Daemon
 
     def enospc(*a, **k):
@@ -205,7 +205,7 @@ def test_a_full_disk_names_the_file_a_refit_or_drift_save_could_not_write(tmp_pa
         for _ in range(3):
             d.runners[0].run_round()
         monkeypatch.setattr(skops.io, "dump", enospc)
-        monkeypatch.setattr(gemmd.drift, "json", types.SimpleNamespace(dump=enospc))
+        monkeypatch.setattr(gemmd.drift.persistence, "json", types.SimpleNamespace(dump=enospc))
         caplog.set_level(logging.INFO)
         d.refit()
         d._save_drift()

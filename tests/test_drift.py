@@ -20,16 +20,10 @@ from gemmd.config import (
     MeasureConfig,
     ProbeGroup,
 )
-from gemmd.drift import (
-    LEVEL_N,
-    Z_CAP,
-    Alarm,
-    DriftMonitor,
-    Track,
-    long_run_scale,
-    pool,
-    update,
-)
+from gemmd.drift import Alarm, DriftMonitor, Track
+from gemmd.drift.device import pool
+from gemmd.drift.params import LEVEL_N, Z_CAP
+from gemmd.drift.series import long_run_scale, update
 from gemmd.gemm import ProbeSpec
 
 P = {"shift": 0.05, "arl0": 5e6, "baseline_probes": 5, "min_scale": 0.01}
@@ -82,7 +76,7 @@ def test_a_5_percent_slowdown_alarms_a_probes_own_track_within_3_rounds_and_clea
 
 
 def test_noise_and_autocorrelation_are_learnt_and_widened_while_few():
-    from gemmd.drift import long_run_scale, upper_bound_factor
+    from gemmd.drift.series import long_run_scale, upper_bound_factor
 
     assert 3.6 < upper_bound_factor(5) < 4.1 and 2.0 < upper_bound_factor(10) < 2.2
     rng = np.random.default_rng(3)
@@ -94,7 +88,9 @@ def test_noise_and_autocorrelation_are_learnt_and_widened_while_few():
     # The long-run scale of AR(1) noise: sigma sqrt((1 + phi) / (1 - phi)) = 4.8% here;
     # the estimate at its point value, and the safe one a little above it once learnt
     # (and wider by its misfit, where that shows beyond its error).
-    from gemmd.drift import MISFIT_Z, _to_arrays, misfit
+    from gemmd.drift.params import MISFIT_Z
+    from gemmd.drift.series import misfit
+    from gemmd.drift.tracks import _to_arrays
 
     assert long_run_scale(tr) == pytest.approx(0.02 * math.sqrt(1.7 / 0.3), rel=0.2)
     widen = float(misfit(_to_arrays(tr), MISFIT_Z)[0])
@@ -121,7 +117,7 @@ def test_prewhitening_keeps_autocorrelated_noise_quiet_and_still_sees_a_shift():
 
 
 def test_threshold_follows_the_wanted_false_alarm_rate():
-    from gemmd.drift import threshold
+    from gemmd.drift.series import threshold
 
     k1, k3 = math.log(1.05) / 0.02, math.log(1.05) / 0.06
     assert threshold(k1, 5e6) < threshold(k3, 5e6)  # noisier probe: higher bar
@@ -616,7 +612,7 @@ def test_misfit_widens_a_track_whose_noise_an_ar1_does_not_describe():
     """A slow wander plus white noise (energy = an AR(1) runtime x iid power) is no AR(1):
     its innovations wander together, and a CUSUM on them alarmed several times a GPU-year
     (AR(1) 0.95, issue 23). Their EWMA's mean square says so, and widens the scale."""
-    from gemmd.drift import misfit, start, step
+    from gemmd.drift.series import misfit, start, step
 
     rng = np.random.default_rng(45)
     n, cols = 3000, 200
@@ -641,7 +637,7 @@ def test_name_cause_from_the_probes_context():
     """The H200's own cases (bench/results/2026-11-26-h200): bf16 at the power cap
     (sw_power_cap, ~1,500 MHz), fp32 at full clock. A clock cap moves fp32 only, with no
     reason reported; a lowered power limit moves the probes at the cap."""
-    from gemmd.drift import name_cause
+    from gemmd.drift.causes import name_cause
 
     def row(sm, reasons="", temp=60.0, limit=700.0, mem=3201.0):
         return [sm, mem, temp, limit, reasons]
@@ -804,7 +800,7 @@ def test_heavy_tails_widen_a_scale_and_gaussian_noise_or_a_slowdown_do_not():
     scales a track learns within: its CUSUM, built for Gaussian noise, saw two or three
     heavy results close together as a shift (t3 at 3%: 1.7 false alarms per GPU-year once
     a probe's track needs three results, not four). Its lower tail says so."""
-    from gemmd.drift import start, step, tail_factor
+    from gemmd.drift.series import start, step, tail_factor
 
     rng = np.random.default_rng(47)
     n, cols = 1500, 100
@@ -828,7 +824,9 @@ def test_heavy_tails_widen_a_scale_and_gaussian_noise_or_a_slowdown_do_not():
 
 
 def test_the_pooled_statistic_is_judged_as_a_probe_while_young_then_with_half_the_shift():
-    from gemmd.drift import DEVICE_YOUNG_N, allowance, fast_allowance, pooled_settings
+    from gemmd.drift.device import fast_allowance, pooled_settings
+    from gemmd.drift.params import DEVICE_YOUNG_N
+    from gemmd.drift.series import allowance
 
     young = pooled_settings(10.0, 0.03, 100.0, 0.05, 0.02)
     old = pooled_settings(float(DEVICE_YOUNG_N), 0.03, 100.0, 0.05, 0.02)

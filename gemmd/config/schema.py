@@ -164,7 +164,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DriftConfig:
     """CUSUMs on pre-whitened model residuals, per probe and pooled per device, and the
-    comparison with same-model peers; see docs/drift.md and gemmd/drift.py."""
+    comparison with same-model peers; see docs/drift.md and gemmd/drift/."""
 
     shift: float = _f(0.05, min=0.001, max=10.0)  # relative change to detect (0.05 = 5%)
     # Healthy results between false alarms of one CUSUM (a probe x target, or a device's
