@@ -10,20 +10,13 @@ from gemmd import bounds, datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
-from gemmd.model import (
-    BLEND_WEIGHTS,
-    CHOICES,
-    LAUNCH_S,
-    LEVEL_N0_GRID,
-    MODEL_FORMAT,
-    TRANSFER_GRID,
-    ForestModel,
-    RooflinePredictor,
-    TransferModel,
-    _fit_trees,
-    _select,
-    calibrate,
-)
+from gemmd.model import ForestModel, RooflinePredictor, TransferModel
+from gemmd.model.calibration import calibrate
+from gemmd.model.domain import TRANSFER_GRID
+from gemmd.model.persistence import MODEL_FORMAT
+from gemmd.model.space import LAUNCH_S
+from gemmd.model.transfer import BLEND_WEIGHTS, CHOICES, _fit_trees, _select
+from gemmd.model.validation import LEVEL_N0_GRID
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
 H100 = datasets.KNOWN_GPUS["h100-sxm"]

@@ -1,0 +1,141 @@
+"""Calibrating a prior model to a device from its probes (calibrate): per target, a
+device-wide level and per dtype/kernel offsets, shrunk toward the prior by the spreads
+fit-time validation measured; and the calibrated prior's log prediction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from gemmd.features import Table
+from gemmd.gemm import COLUMN
+from gemmd.hardware import gpu_model_key
+from gemmd.model.domain import OOD_SD, _log2_sizes
+from gemmd.model.forest import ForestModel
+from gemmd.model.offsets import (
+    GROUP_SD_KNOWN,
+    LEVEL_N0_DEFAULT,
+    LEVEL_SD_KNOWN,
+    RESID_DOF0,
+    RESID_SD0,
+    DeviceCalibration,
+    _groups,
+    _robust_offsets,
+)
+from gemmd.model.repeats import shape_hashes
+
+MIN_PROBES_IN_DOMAIN = 3  # probes of a dtype/kernel that make a device's predictions in domain
+LEVEL_SD_FLOOR = 0.02  # a validated level spread is never taken below this
+
+
+def _unknown_priors(prior: ForestModel, target: str) -> tuple[float, float]:
+    """(level spread, scatter after the level) on a GPU model ``prior`` never saw: the
+    scatter as leave-one-GPU-out measured it on the training data (else RESID_SD0), the
+    level's spread that scatter over the square root of the pseudo-count that validation
+    chose (else LEVEL_N0_DEFAULT): the prior's level counts as that many probes."""
+    rec = (prior.meta.get("logo") or {}).get(target) or {}
+    s0 = float(rec.get("shape_sd", RESID_SD0)) or RESID_SD0
+    n0 = float(rec.get("level_n0", LEVEL_N0_DEFAULT))
+    return max(s0 / math.sqrt(n0), LEVEL_SD_FLOOR), s0
+
+
+def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
+    """Per device of ``t`` (its probes, measured): its offsets from ``prior``.
+
+    Per target, log(measured / prior) = level + group offset + noise, each term shrunk
+    toward 0 (the prior) by its prior spread (Bayesian shrinkage: with few probes the
+    prior, with many the device's own level), Huber-weighted. On a GPU model the prior
+    never saw, the level's spread and the scatter are what leave-one-GPU-out validation
+    measured and chose at fit time (_unknown_priors, _validate_calibration)."""
+    logs, flags = prior.prior_logs(t)
+    groups = _groups(t)
+    sizes = _log2_sizes(t)
+    out: dict[str, DeviceCalibration] = {}
+    dom = prior.meta.get("domain_targets") or {}
+    del flags
+    shape_ids = shape_hashes(t)
+    for j, info in enumerate(t.devices):
+        sel = t.device == j
+        if not sel.any():
+            continue
+        key = gpu_model_key(info)
+        cal = DeviceCalibration(info.uuid, key, int(sel.sum()), {}, {}, {}, {}, {}, {}, {},
+                                {})
+        g_all = groups[sel]
+        for target, (mu, sd_in) in logs.items():
+            rec = dom.get(target, prior.meta.get("domain")) or {}
+            known_pairs = set(rec.get("gpus", {}).get(key, {}).get("pairs", []))
+            known_kernels = set(rec.get("kernels", []))
+            unknown = key not in rec.get("gpus", {})
+            r = np.log(t[COLUMN[target]][sel]) - mu[sel]
+            ok = np.isfinite(r)
+            if not ok.any():
+                continue
+            tau_o = OOD_SD.get(target, OOD_SD["runtime"])
+            e, g = r[ok], g_all[ok]
+            if unknown:
+                tau_b, s0 = _unknown_priors(prior, target)
+            else:
+                tau_b = LEVEL_SD_KNOWN
+                s0 = max(float(np.median(sd_in[sel][ok])), 0.02)
+            names, gi = np.unique(g.astype(str), return_inverse=True)
+            # a dtype/kernel's offset on top of the level: on a GPU model the prior never
+            # saw, as uncertain as the level (validation judged them together, with the
+            # same pseudo-count); on a known one, GROUP_SD_KNOWN where the prior knows the
+            # pair there, else as a kernel or a dtype outside the domain
+            tau_g = np.array([min(tau_b, tau_o["dtype"]) if unknown else
+                              GROUP_SD_KNOWN if name in known_pairs else
+                              tau_o["kernel"] if name.split("/")[1] not in known_kernels
+                              else tau_o["dtype"] for name in names])
+            n_g = np.bincount(gi, minlength=len(names)).astype(float)
+            sid = np.unique(shape_ids[sel][ok], return_inverse=True)[1].ravel()
+            u = 1.0 / np.bincount(sid)[sid]
+            # a kernel the prior never saw: its probes' scatter is its own, and until
+            # they say otherwise as wide as its offset's prior spread
+            new_kernel = np.array([nm.split("/")[1] not in known_kernels for nm in names])
+            s0_g = np.where(new_kernel, tau_o["kernel"], s0)
+            b, cg = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g)
+            resid = e - b - cg[gi]
+            mine = ~new_kernel[gi]
+            dof = RESID_DOF0 + max(int(mine.sum()) - 1, 0)
+            s2 = (RESID_DOF0 * s0**2 + float(np.sum(resid[mine] ** 2))) / dof
+            for i in np.flatnonzero(new_kernel):
+                r_g = resid[gi == i]
+                cal.group_scatter.setdefault(target, {})[str(names[i])] = math.sqrt(
+                    (RESID_DOF0 * s0_g[i] ** 2 + float(np.sum(r_g**2))) /
+                    (RESID_DOF0 + len(r_g)))
+            cal.level[target] = b
+            cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, cg)}
+            cal.counts[target] = {str(nm): int(v) for nm, v in zip(names, n_g)}
+            cal.group_sd[target] = {str(nm): float(v) for nm, v in zip(names, tau_g)}
+            # groups the prior knows on this GPU but the probes did not cover
+            for pair in known_pairs:
+                cal.group_sd[target].setdefault(pair, GROUP_SD_KNOWN)
+            cal.sd[target] = math.sqrt(s2)
+            cal.dof[target] = dof
+            cal.precision[target] = float(u.sum()) + s0**2 / tau_b**2
+            probed = [p for p, n in cal.counts[target].items() if n >= MIN_PROBES_IN_DOMAIN]
+            if probed:
+                x = sizes[sel][ok]
+                cal.domain[target] = {
+                    "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
+                    "size": [[float(x[:, i].min()), float(x[:, i].max())]
+                             for i in range(x.shape[1])]}
+        out[info.uuid] = cal
+    return out
+
+
+def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], t: Table
+                     ) -> dict[str, np.ndarray]:
+    """Per prior target: the calibrated prior's log prediction for each row of ``t``."""
+    logs, _ = prior.prior_logs(t)
+    groups = _groups(t)
+    uuids = [d.uuid for d in t.devices]
+    out = {}
+    for target, (mu, _) in logs.items():
+        off = np.array([cals[uuids[int(d)]].offset(target, g) if uuids[int(d)] in cals
+                        else 0.0 for d, g in zip(t.device, groups)])
+        out[target] = mu + off
+    return out

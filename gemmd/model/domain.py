@@ -1,0 +1,214 @@
+"""The training domain: what a model was trained on (domain_record), how a row lies
+outside it (domain_flags) and the interval widening that costs (widen, OOD_SD); the
+settings of an unknown GPU's runtime transfer; predict_table's answer (result,
+to_predictions)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gemmd import features
+from gemmd.features import Table
+from gemmd.gemm import COLUMN
+from gemmd.hardware import gpu_model_key
+from gemmd.records import Prediction
+
+# Sizes within this many factors of 2 of the trained range count as in the domain: none.
+# A forest extrapolates flat beyond the sizes it saw; trained on M <= 2048 and asked
+# about M = 4096 (within the 2x margin this once had) its 90% intervals covered 69-77%
+# without a flag (issue 25). Beyond the range in M, N, K or FLOPs a row is flagged and
+# its interval widened per factor of 2, by what extrapolation at fit time measured.
+SIZE_MARGIN_LOG2 = 0.0
+_SIZES = ("m", "n", "k", "flops")
+SIZE_MIN_D = 0.5  # a row beyond the trained sizes is widened as if at least this far out
+
+# No interval narrower than this (log space, about +-0.8% at 90%): repeated GEMMs on a
+# GPU never agree better, whatever a noiseless training set suggests.
+MIN_SD = 0.005
+
+# Log-space sd added to a prediction's for each way its GEMM lies outside the training
+# data, per target: "gpu", a GPU model never trained on; "dtype", a dtype never trained
+# on that GPU; "kernel", a kernel never trained on (runtime then comes from the roofline);
+# "size", per factor of 2 beyond the trained range. Measured by leaving out whole GPUs,
+# dtypes and kernels on the shared data (bench/transfer.py --coverage, docs/model.md):
+# these make the nominal interval cover about its share of such predictions there.
+OOD_SD: dict[str, dict[str, float]] = {
+    "runtime": {"gpu": 0.5, "dtype": 0.35, "kernel": 1.5, "size": 0.25},
+    "power": {"gpu": 0.45, "dtype": 0.4, "kernel": 0.4, "size": 0.1},
+    "energy": {"gpu": 0.5, "dtype": 0.4, "kernel": 1.5, "size": 0.25},
+}
+
+
+# An unknown GPU's runtime (ForestModel.transfer_runtime): candidate (w, a), the weights
+# of the forest's efficiency level (against the roofline estimate's) and of its shape
+# dependence (against none), judged by leave-one-GPU-out validation at fit time
+# (_validate_transfer) where the training data hold two GPU models or more. Without that
+# evidence: the roofline estimate's level and no shape (the roofline estimate plus a
+# launch), which is what the model would otherwise use. On the shared data's 12
+# one-GPU-to-another pairs that beat the forest's level on 7 and its shape on 9
+# (bench/RESULTS.md, "Model across GPUs"); another evaluation found the opposite within
+# one GPU family (A100 -> A100 80 GB, H100: issue 25): only the training data can say.
+TRANSFER_GRID = tuple((w, a) for w in (0.0, 0.5, 1.0) for a in (0.0, 0.5, 1.0))
+DEFAULT_TRANSFER = (0.0, 0.0)
+ANCHOR_CONFIG = ("dtype", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k", "stages",
+                 "alpha", "beta", "out_dtype", "variant")
+
+
+def _reference_shapes(t: Table, limit: int = 128) -> list[list[float]]:
+    """Up to ``limit`` distinct (m, n, k, batch) of the rows with a runtime, drawn with a
+    fixed seed: the shapes an unknown GPU's efficiency level is read over."""
+    ok = np.isfinite(t["runtime_s"])
+    if not ok.any():
+        return []
+    shapes = np.unique(np.column_stack([t["m"][ok], t["n"][ok], t["k"][ok], t["batch"][ok]]),
+                       axis=0)
+    if len(shapes) > limit:
+        shapes = shapes[np.sort(np.random.default_rng(0).choice(len(shapes), limit,
+                                                                replace=False))]
+    return shapes.tolist()
+
+
+def _log2_sizes(t: Table) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.column_stack([np.log2(t["m"]), np.log2(t["n"]), np.log2(t["k"]),
+                                np.log2(features.flops(t))])
+
+
+def domain_record(t: Table) -> dict[str, Any]:
+    """What the model was trained on: per GPU model (hardware.gpu_model_key: eight H100s
+    are one), its dtypes, kernels, (dtype, kernel) pairs and size ranges (log2 of M, N, K
+    and FLOPs); and the same over all GPUs."""
+    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)
+    rowkey = keys[t.device] if len(t) else np.zeros(0, dtype=object)
+    sizes = _log2_sizes(t)
+
+    def rng(sel: np.ndarray) -> list[list[float]]:
+        return [[float(sizes[sel, j].min()), float(sizes[sel, j].max())]
+                for j in range(len(_SIZES))]
+
+    gpus = {}
+    for key in sorted(set(rowkey.tolist())):
+        sel = rowkey == key
+        name = next(d.name for d, k in zip(t.devices, keys) if k == key)
+        gpus[key] = {"name": name, "dtypes": sorted(set(t["dtype"][sel].tolist())),
+                     "kernels": sorted(set(t["kernel"][sel].tolist())),
+                     "pairs": sorted({f"{d}/{k}" for d, k in zip(t["dtype"][sel],
+                                                                   t["kernel"][sel])}),
+                     "size": rng(sel)}
+    everything = np.ones(len(t), dtype=bool)
+    return {"gpus": gpus, "dtypes": sorted(set(t["dtype"].tolist())),
+            "kernels": sorted(set(t["kernel"].tolist())),
+            "size": rng(everything) if len(t) else []}
+
+
+def domain_flags(rec: Mapping[str, Any] | None, t: Table,
+                 extra: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Per row, how it lies outside the domain ``rec``: "gpu", "dtype", "kernel" (bool
+    arrays), "size" (factors of 2 beyond the trained range, >= 0), "in_domain" and
+    "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
+    calibration has seen on a device. A model without a record (older files) is taken
+    to know everything."""
+    n = len(t)
+    out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
+                           "kernel": np.zeros(n, bool), "size": np.zeros(n),
+                           "in_domain": np.ones(n, bool), "reason": np.full(n, "", object)}
+    if not rec or not n:
+        return out
+    gpus = rec.get("gpus", {})
+    keys = [gpu_model_key(d) for d in t.devices]
+    sizes = _log2_sizes(t)
+    dts, dti = np.unique(t["dtype"].astype(str), return_inverse=True)
+    kns, kni = np.unique(t["kernel"].astype(str), return_inverse=True)
+    code = (t.device * len(dts) + dti.ravel()) * len(kns) + kni.ravel()
+    for c in np.unique(code):
+        sel = code == c
+        i0 = int(np.flatnonzero(sel)[0])
+        dev, dtype, kernel = int(t.device[i0]), str(t["dtype"][i0]), str(t["kernel"][i0])
+        key = keys[int(dev)]
+        known = gpus.get(key)
+        more = (extra or {}).get(key, {})
+        parts = []
+        if known is None and not more:
+            out["gpu"][sel] = True
+            parts.append(f"no data on {t.devices[int(dev)].name}")
+        kernels = set(rec.get("kernels", [])) | set(more.get("kernels", []))
+        if kernel not in kernels:
+            out["kernel"][sel] = True
+            parts.append(f"no {kernel} kernel data")
+        pairs = set((known or {}).get("pairs", [])) | set(more.get("pairs", []))
+        if (known is not None or more) and f"{dtype}/{kernel}" not in pairs \
+                and kernel in kernels:
+            out["dtype"][sel] = True
+            parts.append(f"no {dtype} {kernel} data on this GPU")
+        elif known is None and not more and dtype not in rec.get("dtypes", []):
+            out["dtype"][sel] = True
+            parts.append(f"no {dtype} data")
+        lim = np.asarray((known or {}).get("size") or rec.get("size") or [], dtype=float)
+        if more.get("size"):
+            m = np.asarray(more["size"], dtype=float)
+            lim = m if not lim.size else np.column_stack([np.minimum(lim[:, 0], m[:, 0]),
+                                                          np.maximum(lim[:, 1], m[:, 1])])
+        if lim.size:
+            x = sizes[sel]
+            beyond = np.maximum(lim[:, 0] - SIZE_MARGIN_LOG2 - x, x - lim[:, 1] -
+                                SIZE_MARGIN_LOG2)
+            dist = np.maximum(beyond.max(axis=1), 0.0)
+            out["size"][sel] = dist
+        out["reason"][sel] = "; ".join(parts)
+    far = out["size"] > 0
+    for i in np.flatnonzero(far):
+        note = f"size {2 ** (out['size'][i] + SIZE_MARGIN_LOG2):.3g}x beyond the trained range"
+        out["reason"][i] = f"{out['reason'][i]}; {note}" if out["reason"][i] else note
+    out["in_domain"] = ~(out["gpu"] | out["dtype"] | out["kernel"] | far)
+    return out
+
+
+def _size_d(d: np.ndarray) -> np.ndarray:
+    """Factors of 2 beyond the trained sizes as widened: at least SIZE_MIN_D once beyond."""
+    return np.where(d > 0, np.maximum(d, SIZE_MIN_D), 0.0)
+
+
+def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
+          skip: Sequence[str] = (), tau: Mapping[str, float] | None = None) -> np.ndarray:
+    """sd combined with the spread (``tau``, else OOD_SD) of every way a row lies
+    outside the domain."""
+    tau = tau or OOD_SD.get(target, OOD_SD["runtime"])
+    var = sd**2
+    for kind in ("gpu", "dtype", "kernel"):
+        if kind not in skip:
+            var = var + np.where(flags[kind], tau[kind] ** 2, 0.0)
+    if "size" not in skip:
+        var = var + (tau["size"] * _size_d(flags["size"])) ** 2
+    return np.sqrt(var)
+
+
+def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+           flags: Mapping[str, Mapping[str, Any]], z: float | np.ndarray
+           ) -> dict[str, dict[str, np.ndarray]]:
+    """predict_table's answer from log points and sds and each target's domain flags
+    (``flags[target]``): z may be one value or per row."""
+    return {target: {"point": np.exp(mu), "lo": np.exp(mu - z * sd),
+                     "hi": np.exp(mu + z * sd), "sigma": sd,
+                     "in_domain": flags[target]["in_domain"],
+                     "domain": flags[target]["reason"]}
+            for target, (mu, sd) in logs.items()}
+
+
+def to_predictions(out: Mapping[str, Mapping[str, np.ndarray]], n: int) -> list[Prediction]:
+    """Prediction objects from predict_table's answer."""
+    preds = [Prediction() for _ in range(n)]
+    for target, res in out.items():
+        for i, p in enumerate(preds):
+            setattr(p, COLUMN[target], float(res["point"][i]))
+            setattr(p, f"{target}_lo", float(res["lo"][i]))
+            setattr(p, f"{target}_hi", float(res["hi"][i]))
+            p.sigma[target] = float(res["sigma"][i])
+            p.domains[target] = "" if res["in_domain"][i] else str(res["domain"][i])
+    for p in preds:  # in_domain and domain: the runtime's (the headline of a probe)
+        head = "runtime" if "runtime" in p.domains else next(iter(p.domains), "")
+        p.domain = p.domains.get(head, "")
+        p.in_domain = not p.domain
+    return preds

@@ -1,0 +1,93 @@
+"""A device's offsets from a prior model: the DeviceCalibration record and the shrunk,
+Huber-weighted level and dtype/kernel offsets (_robust_offsets) that calibrate and
+fit-time validation both compute."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gemmd.features import Table
+from gemmd.model.domain import OOD_SD
+
+# A device's first probes correct a prior model fitted on other GPUs (TransferModel): a
+# device-wide offset in log space, then one per dtype/kernel, each shrunk toward the
+# prior by the spread expected before any probe (OOD_SD where the prior has no such
+# data, these where it has).
+LEVEL_SD_KNOWN = 0.1  # another card of a GPU model the prior knows
+GROUP_SD_KNOWN = 0.15  # a dtype/kernel the prior knows on that GPU model
+RESID_SD0 = 0.3  # scatter left after the offsets on a new GPU, before the probes say
+RESID_DOF0 = 3.0  # the weight of that guess, in probes
+# Without leave-one-GPU-out evidence, the prior's level counts as this many probes on a
+# GPU it never saw: RESID_SD0 / sqrt(0.36) = 0.5 = OOD_SD's "gpu", as before.
+LEVEL_N0_DEFAULT = 0.36
+
+
+@dataclass
+class DeviceCalibration:
+    """How one device departs from the prior, from its probes (log space, per target)."""
+
+    uuid: str
+    gpu: str  # GPU model key (hardware.gpu_model_key)
+    n: int
+    level: dict[str, float]  # device-wide offset
+    groups: dict[str, dict[str, float]]  # "dtype/kernel" -> offset on top of the level
+    counts: dict[str, dict[str, int]]  # probes per "dtype/kernel"
+    group_sd: dict[str, dict[str, float]]  # prior spread of each group's offset
+    sd: dict[str, float]  # residual scatter after the offsets
+    dof: dict[str, float]  # its degrees of freedom
+    precision: dict[str, float]  # of the level, in probes (n + s0^2 / tau^2)
+    domain: dict[str, Any]  # per target: what the probes cover: pairs, kernels, sizes
+    # per target and group of a kernel the prior never saw: that group's own scatter
+    # (its efficiency may vary with size as no other kernel's does)
+    group_scatter: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def offset(self, target: str, group: str) -> float:
+        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)
+
+    def variance(self, target: str, group: str) -> float:
+        """Variance of a new measurement around the calibrated prediction (log space)."""
+        s2 = self.sd[target] ** 2
+        own = self.group_scatter.get(target, {}).get(group)
+        if own is not None:
+            s2 = own**2
+        var = s2 * (1.0 + 1.0 / self.precision[target])
+        n_g = self.counts.get(target, {}).get(group, 0)
+        tau = self.group_sd.get(target, {}).get(group)
+        if tau is None:  # a group neither the prior nor the probes saw
+            tau = OOD_SD.get(target, OOD_SD["runtime"])["dtype"]
+        return var + (tau**2 if n_g == 0 else s2 / (n_g + s2 / max(tau, 1e-6) ** 2))
+
+
+def _groups(t: Table) -> np.ndarray:
+    return np.array([f"{d}/{k}" for d, k in zip(t["dtype"], t["kernel"])], dtype=object)
+
+
+def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b: float,
+                    tau_g: np.ndarray, u: np.ndarray | None = None,
+                    s0_g: np.ndarray | None = None, k: float = 1.345
+                    ) -> tuple[float, np.ndarray]:
+    """Level b and group offsets with e ~ b + cg[gi] + noise: each shrunk toward 0 (the
+    prior) by its prior spread, and Huber-weighted, so that one launch-bound or
+    thermally throttled probe among five does not move a device's whole calibration.
+    ``u``: each probe's weight in the level (1 / probes of its shape: the dtypes of one
+    shape share its error, they are one piece of evidence about the level, not
+    several). ``s0_g``: each group's prior scatter where it is not ``s0``."""
+    s0_g = np.full(groups, s0) if s0_g is None else s0_g
+    u = np.ones(len(e)) if u is None else u
+    w = np.ones(len(e))
+    b, cg = 0.0, np.zeros(groups)
+    for _ in range(8):
+        for _ in range(3):  # backfitting: the level, then the groups around it
+            wu = w * u
+            b = float(np.sum(wu * (e - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
+            cg = np.bincount(gi, weights=w * (e - b), minlength=groups) / \
+                (np.bincount(gi, weights=w, minlength=groups) + s0_g**2 / tau_g**2)
+        r = e - b - cg[gi]
+        mad = 1.4826 * float(np.median(np.abs(r)))
+        scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
+        w = np.minimum(1.0, k * scale / np.maximum(np.abs(r), 1e-12))
+    return b, cg

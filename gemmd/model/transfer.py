@@ -1,0 +1,521 @@
+"""TransferModel: a prior model of other GPUs carried over to new devices by their
+probes, with the recipe per target (the calibrated prior, few-probe trees, a blend,
+residual trees, a forest of the device's own) chosen by cross-validation over the
+probes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from gemmd import bounds, features
+from gemmd.config import ModelConfig
+from gemmd.errors import ModelError
+from gemmd.features import Table
+from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
+from gemmd.hardware import gpu_model_key
+from gemmd.model.calibration import _calibrated_logs, calibrate
+from gemmd.model.domain import (
+    MIN_SD,
+    _size_d,
+    domain_flags,
+    domain_record,
+    result,
+    to_predictions,
+    widen,
+)
+from gemmd.model.flat import _FLAT_MAX_ROWS, _FlatForest, _per_tree
+from gemmd.model.forest import ForestModel
+from gemmd.model.intervals import MAX_SAMPLES, _aggregate, conformal_quantile
+from gemmd.model.offsets import DeviceCalibration, _groups
+from gemmd.model.persistence import _configs
+from gemmd.model.repeats import shape_hashes
+from gemmd.model.space import from_model_space, to_model_space
+from gemmd.records import DeviceInfo, Prediction
+
+MIN_GROUP_PROBES = 10  # probes of a dtype/kernel before trees on the probes predict it
+MIN_SELECT = 5  # probes before recipes on the device's own data are fitted (chosen by CV)
+MIN_RESIDUAL = 10  # probes before trees on the calibrated residuals are tried
+CV_FOLDS = 5
+CV_MAX_ROWS = 2000  # cross-validation of the choice reads at most this many probes
+CHOICES = ("calibrated", "residual", "own", "few", "blend")
+# "blend": the calibrated prior and the few-probe trees averaged in log space, the trees
+# weighted by one of these (the one cross-validation over the probes finds best): the
+# prediction moves from the prior toward the device's own data as far as the probes show
+# skill, not all at once.
+BLEND_WEIGHTS = (0.25, 0.5, 0.75)
+# The recipe is the calibrated prior (its shrinkage validated at fit time: a few probes
+# cannot make it worse than none on the training GPUs); from MIN_OVERRIDE probes another
+# (few-probe trees, a blend of them with the calibrated prior, residual trees, gemmd's
+# forest on the probes) replaces it where cross-validation over the probes finds it
+# better by SELECT_SE standard errors of the paired difference. Until issue 25 "few" was
+# the default from 5 probes: 5 probes were then worse than none on 5 of 9 GPUs of one
+# evaluation (V100 55.5% against 25.2%) and here on B200 -> H100 (27.2% against 18.0%).
+# With the blends, 1 standard error took the MI355X at 20 probes from 28.4% to 27.0% and
+# left the H100 at 14.8% (2 standard errors: no blend chosen; 0: 26.4%, a minimum of a
+# few probes' CV errors is often a fluke).
+DEFAULT_CHOICE = "calibrated"
+SELECT_SE = 1.0
+MIN_OVERRIDE = 10
+# "few": extremely randomized trees on the device's probes, each split the best of one
+# random threshold on each of a third of the features (Breiman's p/3 for regression). On a
+# few probes a bootstrapped forest's best-threshold splits make a coarse step function of
+# them; random thresholds average into a smoother one (bench/transfer.py, 20 probes:
+# 15.6-28.9% MAPE on held-out shapes against 16.1-29.9% for gemmd's forest on the same
+# probes, better on every GPU of the shared data; at 200 probes 7-19% against 8-21%,
+# worse on the RTX 4070 only).
+FEW_MAX_FEATURES = 1 / 3
+
+
+class TransferModel:
+    """A prior model of other GPUs, carried over to the devices of ``calibrations``.
+
+    Per device: without probes, the prior's prediction (an unknown GPU carried over as
+    leave-one-GPU-out chose, ForestModel.transfer_runtime); from one probe, the prior
+    corrected by the device's calibration (a device-wide offset, then per dtype/kernel,
+    shrunk toward the prior by the pseudo-count validation chose: calibrate); from
+    MIN_SELECT probes, a cross-validation over the probes (grouped by shape) that may
+    widen the calibrated prior's interval; from MIN_OVERRIDE probes, per target, the
+    recipe it finds better than the calibrated prior by SELECT_SE standard errors: the
+    few-probe trees ("few"), a blend of them with the calibrated prior ("blend"), the
+    calibrated prior plus trees on what it leaves unexplained ("residual") or gemmd's
+    forest on the probes ("own"). A dtype/kernel the device has no probe of is predicted
+    by the calibrated prior whatever the recipe, a kernel the prior never saw by the trees
+    from MIN_GROUP_PROBES of it. Inside the physical bounds (gemmd.bounds). Same interface
+    as ForestModel (predict, predict_table).
+    """
+
+    kind = "transfer"
+
+    def __init__(self, prior: ForestModel, calibrations: dict[str, DeviceCalibration],
+                 choice: dict[str, str] | None = None, own: ForestModel | None = None,
+                 residual: dict[str, tuple[Any, float]] | None = None,
+                 cv_scale: dict[str, float] | None = None, meta: dict[str, Any] | None = None,
+                 few: dict[str, tuple[Any, float]] | None = None,
+                 probe_domain: dict[str, Any] | None = None,
+                 few_groups: dict[str, list[str]] | None = None):
+        self.prior = prior
+        self.calibrations = calibrations
+        self.choice = choice or {}
+        self.own = own
+        # target -> (trees, noise of one measurement): on log(measured / calibrated prior)
+        self.residual = residual or {}
+        self.few = few or {}  # on the probes' model space
+        self.cv_scale = cv_scale or {}  # per target: the chosen recipe's interval factor
+        self.probe_domain = probe_domain  # domain_record of the probes
+        # per target: probed dtype/kernel groups whose kernel the prior never saw (its
+        # prediction there is the roofline estimate, with no shape at all): the
+        # few-probe trees predict them whatever the recipe (unknown_kernel_groups)
+        self.few_groups = few_groups or {}
+        self.blend: dict[str, float] = {}  # per target choosing "blend": the trees' weight
+        self.z = prior.z
+        self.meta = {**prior.meta, **(meta or {})}
+        self.version = f"{prior.version}+cal"
+        self.devices: list[DeviceInfo] = []  # the calibrated devices (set by fit)
+        self._flat: dict[str, _FlatForest] = {}
+
+    def device_infos(self) -> list[DeviceInfo]:
+        """The prior's training devices and the calibrated ones."""
+        known = self.prior.device_infos()
+        return known + [d for d in self.devices if d.uuid not in {k.uuid for k in known}]
+
+    # ------------------------------------------------------------- fitting
+    @classmethod
+    def fit(cls, prior: ForestModel, t: Table, cfg: ModelConfig, *,
+            own: ForestModel | None = None, n_jobs: int = 1,
+            select: bool = True) -> TransferModel:
+        """Calibrate ``prior`` to the devices of ``t`` (their probes) and, with enough
+        probes, choose per target between the calibrated prior, residual trees, own
+        forest and few-probe trees by cross-validation. ``own``: a forest already fitted
+        on ``t`` (else fitted here when chosen)."""
+        cals = calibrate(prior, t) if len(t) else {}
+        n = len(t)
+        choice = {tg: "calibrated" for tg in TARGETS}
+        cv_scale: dict[str, float] = {}
+        meta: dict[str, Any] = {"transfer": {"probes": n, "devices": sorted(cals)},
+                                "probe_configs": _configs(t)}
+        devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
+        if not select or n < MIN_SELECT:
+            out = cls(prior, cals, choice, meta=meta)
+            out.devices = devices
+            return out
+        sub, picked = cls._cv(prior, t, cfg, n_jobs)
+        for target, c in picked.items():
+            choice[target] = c
+            cv_scale[target] = sub[target][c]["scale"]
+        meta["transfer"]["cv"] = sub
+        icfg = dataclasses.replace(cfg, min_samples=2)
+        if "own" in choice.values() and own is None:
+            try:
+                own = ForestModel.fit_table(t, icfg, n_jobs=n_jobs)
+            except ModelError:
+                own = None
+        few_groups = unknown_kernel_groups(prior, t)
+        wanted = {c: [tg for tg, x in choice.items() if x == c or (
+            c == "few" and (tg in few_groups or x == "blend"))] for c in ("few", "residual")}
+        few = _fit_trees(t, cfg, wanted["few"], n_jobs=n_jobs) if wanted["few"] else {}
+        residual = _fit_trees(t, cfg, wanted["residual"], _calibrated_logs(prior, cals, t),
+                              n_jobs) if wanted["residual"] else {}
+        few, residual = ({tg: (et, math.hypot(noise, sub.get(tg, {}).get(name, {}).get(
+                              "floor", 0.0)))
+                          for tg, (et, noise) in trees.items()}
+                         for name, trees in (("few", few), ("residual", residual)))
+        for target, c in choice.items():
+            if (c == "own" and (own is None or target not in own.forests)) or \
+                    (c == "residual" and target not in residual) or \
+                    (c in ("few", "blend") and target not in few):
+                choice[target] = "calibrated"
+                cv_scale[target] = sub.get(target, {}).get("calibrated", {}).get("scale", 1.0)
+        meta["transfer"]["choice"] = dict(choice)
+        few_groups = {tg: g for tg, g in few_groups.items() if tg in few}
+        meta["transfer"]["few_groups"] = few_groups
+        out = cls(prior, cals, choice, own if "own" in choice.values() else None, residual,
+                  cv_scale, meta, few, domain_record(t), few_groups)
+        out.blend = {tg: float(sub[tg]["blend"]["weight"]) for tg, c in choice.items()
+                     if c == "blend"}
+        out.devices = devices
+        return out
+
+    @classmethod
+    def _cv(cls, prior: ForestModel, t: Table, cfg: ModelConfig, n_jobs: int
+            ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
+        """Cross-validation over the probes, grouped by shape (the recipes fitted without a
+        fold have seen none of its shapes): per target and recipe, the mean absolute
+        percentage error of the out-of-fold predictions ("err"), their number ("n") and
+        the interval "scale" that makes the nominal share of them covered (never below
+        1); for "blend", the best of BLEND_WEIGHTS ("weight"); and per target the recipe
+        chosen: DEFAULT_CHOICE unless, from MIN_OVERRIDE probes, another has a lower error
+        by SELECT_SE standard errors of the paired difference."""
+        from sklearn.model_selection import GroupKFold
+
+        if len(t) > CV_MAX_ROWS:
+            t = t.take(np.sort(np.random.default_rng(0).choice(len(t), CV_MAX_ROWS,
+                                                                replace=False)))
+        gid = np.unique(shape_hashes(t), return_inverse=True)[1].ravel()
+        folds = min(CV_FOLDS, len(np.unique(gid)))
+        if folds < 2:
+            return {}, {}
+        icfg = dataclasses.replace(cfg, min_samples=2, n_estimators=min(cfg.n_estimators, 50))
+        z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
+        # recipe -> target -> (log point, log sd) per row, NaN where not predicted
+        pred: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {
+            c: {} for c in CHOICES if c != "blend"}
+        for train, test in GroupKFold(folds).split(np.zeros(len(t)), groups=gid):
+            tr, te = t.take(train), t.take(test)
+            base = cls.fit(prior, tr, cfg, select=False)
+            cals, dom = base.calibrations, domain_record(tr)
+            recipes: dict[str, TransferModel] = {"calibrated": base}
+            try:
+                own = ForestModel.fit_table(tr, icfg, n_jobs=n_jobs)
+                recipes["own"] = cls(prior, cals, dict.fromkeys(own.forests, "own"), own)
+            except ModelError:
+                pass
+            few = _fit_trees(tr, icfg, list(prior.forests), n_jobs=n_jobs)
+            recipes["few"] = cls(prior, cals, dict.fromkeys(few, "few"), few=few,
+                                 probe_domain=dom)
+            fg = {tg: g for tg, g in unknown_kernel_groups(prior, tr).items() if tg in few}
+            if fg:  # the calibrated prior as served: few-probe trees where it has no shape
+                recipes["calibrated"] = cls(prior, cals, few=few, probe_domain=dom,
+                                            few_groups=fg)
+            if len(tr) >= MIN_RESIDUAL:
+                res = _fit_trees(tr, icfg, list(prior.forests),
+                                 _calibrated_logs(prior, cals, tr), n_jobs)
+                recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
+                                          res, probe_domain=dom)
+            for name, model in recipes.items():
+                for target, r in model.predict_table(te).items():
+                    p = pred[name].setdefault(target, (np.full(len(t), np.nan),
+                                                       np.full(len(t), np.nan)))
+                    p[0][test] = np.log(r["point"])
+                    p[1][test] = (np.log(r["hi"]) - np.log(r["point"])) / z
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        apes: dict[str, dict[str, np.ndarray]] = {}
+        for target in pred["few"]:
+            if target not in pred["calibrated"]:
+                continue
+            (mc, sc), (mf, sf) = pred["calibrated"][target], pred["few"][target]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                y = np.log(t[COLUMN[target]])
+            err_f = np.abs(y - mf)
+            err_f = err_f[np.isfinite(err_f)]
+            if err_f.size < MIN_SELECT:
+                continue
+            floor = 1.4826 * float(np.median(err_f))
+            sf = np.hypot(sf, floor)
+            for lam in BLEND_WEIGHTS:
+                pred.setdefault(f"blend:{lam:g}", {})[target] = (
+                    (1 - lam) * mc + lam * mf, np.sqrt((1 - lam) * sc**2 + lam * sf**2))
+        for name, per in pred.items():
+            for target, (mu, sd) in per.items():
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    y = np.log(t[COLUMN[target]])
+                ok = np.isfinite(y) & np.isfinite(mu)
+                if ok.sum() < MIN_SELECT:
+                    continue
+                err = np.abs(y[ok] - mu[ok])
+                rec: dict[str, float] = {}
+                # Out-of-fold hits of a few probes widen an interval, they do not narrow
+                # it: the calibrated prior's is a posterior one, the trees' is at least
+                # the typical out-of-fold error (from 5 probes, a factor of 0.72 took a
+                # synthetic H100's coverage to 73%; from 20 of the shared data's H100,
+                # factors below 1 to 74-81%)
+                sdv, lo, hi = sd[ok], 1.0, 4.0
+                if name in ("few", "residual"):
+                    # The trees' spread vanishes on a configuration they were fitted on,
+                    # and without repeats the noise of a measurement is unknown: a floor
+                    # of the typical out-of-fold error (as the forests' OOB residual).
+                    rec["floor"] = float(1.4826 * np.median(err))
+                    sdv, hi = np.hypot(sdv, rec["floor"]), 8.0
+                q = conformal_quantile(err / np.maximum(sdv, 1e-9), cfg.interval) / z
+                ape = np.full(len(t), np.nan)
+                ape[ok] = np.abs(np.expm1(mu[ok] - y[ok]))  # what MAPE averages
+                apes.setdefault(target, {})[name] = ape
+                out.setdefault(target, {})[name] = {"err": float(np.nanmean(ape)),
+                                                    "scale": float(np.clip(q, lo, hi)),
+                                                    "n": int(ok.sum()), **rec}
+        for target, recs_ in out.items():  # the blend: its best weight only
+            blends = [n for n in recs_ if n.startswith("blend:")]
+            if blends:
+                best = min(blends, key=lambda n: recs_[n]["err"])
+                recs_["blend"] = {**recs_[best], "weight": float(best.split(":")[1])}
+                apes[target]["blend"] = apes[target][best]
+            for n in blends:
+                del recs_[n]
+                del apes[target][n]
+        picked = {target: _select(errs, DEFAULT_CHOICE, override=len(t) >= MIN_OVERRIDE)
+                  for target, errs in apes.items()}
+        return out, picked
+
+    # ------------------------------------------------------------- predicting
+    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
+                ) -> list[Prediction]:
+        if not specs:
+            return []
+        return to_predictions(self.predict_table(Table.from_specs(specs, infos)), len(specs))
+
+    def calibration_of(self, info: DeviceInfo) -> DeviceCalibration | None:
+        """The device's calibration; else that of a calibrated card of the same model."""
+        cal = self.calibrations.get(info.uuid)
+        if cal is None:
+            key = gpu_model_key(info)
+            cal = next((c for c in self.calibrations.values() if c.gpu == key), None)
+        return cal
+
+    def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:
+        if not len(t):
+            return {}
+        logs, flags0 = self.prior.prior_logs(t)
+        cals = [self.calibration_of(d) for d in t.devices]
+        extra: dict[str, dict[str, Any]] = {}
+        for cal_ in cals:
+            if cal_ is not None:
+                for target, dom in cal_.domain.items():
+                    extra.setdefault(target, {})[cal_.gpu] = dom
+        flags = self.prior.target_flags(t, extra) if extra else flags0
+        groups = _groups(t)
+        zrow = np.full(len(t), self.z)
+        has = np.array([c is not None for c in cals])[t.device]
+        used = {self.choice.get(tg, "calibrated") for tg in logs} if has.any() else set()
+        if has.any() and (self.few_groups or "blend" in used):
+            used.add("few")
+        out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        own_res = self.own.predict_table(t) if self.own is not None and "own" in used else {}
+        res_logs = self._tree_logs("residual", self.residual, t) if "residual" in used else {}
+        few_logs = self._tree_logs("few", self.few, t) if "few" in used else {}
+        # how far outside the probes' sizes a row is (the trees on them extrapolate flat)
+        near = domain_flags(self.probe_domain, t)["size"] if self.probe_domain and \
+            "few" in used else np.zeros(len(t))
+        q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
+        recs = self.prior.meta.get("domain_targets") or {}
+        for target, (mu, sd) in logs.items():
+            tau = self.prior.ood_sd(target)
+            kernels = set((recs.get(target) or self.prior.meta.get("domain") or {}).get(
+                "kernels", []))
+            mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau)
+            choice = self.choice.get(target, "calibrated")
+            size_sd = tau["size"]
+            fl = flags[target]
+            scale = self.cv_scale.get(target, 1.0)
+            for j, cal in enumerate(cals):
+                sel = t.device == j
+                if cal is None or target not in cal.level or not sel.any():
+                    continue
+                idx = np.flatnonzero(sel)
+                # the device's own data only speak for the dtypes/kernels they cover, and
+                # for a kernel the prior never saw only from MIN_GROUP_PROBES: trees on a
+                # few probes of it, set beside the others, give all its rows those
+                # probes' level (GPPerf's tiled kernel: one probe among 50 of CUTLASS,
+                # its other shapes 140x off)
+                need = {g: MIN_GROUP_PROBES if g.split("/")[1] not in kernels else 1
+                        for g in set(groups[idx])}
+                probed = np.array([cal.counts.get(target, {}).get(g, 0) >= need[g]
+                                   for g in groups[idx]])
+                if choice == "own" and target in own_res:
+                    r, i = own_res[target], idx[probed]
+                    mu[i], sd[i], zrow[i] = np.log(r["point"][i]), r["sigma"][i] * scale, q
+                    idx = idx[~probed]
+                elif target in few_logs and (choice == "few" or target in self.few_groups):
+                    mine = probed.copy()
+                    if choice != "few":  # only the groups the prior has no shape for
+                        mine &= np.isin(groups[idx], self.few_groups[target])
+                    i = idx[mine]
+                    fm, fs = few_logs[target]
+                    mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
+                    sd[i] = np.sqrt(fs[i] ** 2 + (size_sd * near[i]) ** 2) * scale
+                    zrow[i] = q
+                    idx, probed = idx[~mine], probed[~mine]
+                blend = choice == "blend" and target in few_logs and target in self.blend
+                if blend:  # the trees' prediction for the probed rows, blended below
+                    b_rows = idx[probed]
+                    fm, fs = few_logs[target]
+                    b_mu = np.log(from_model_space(target, t.take(b_rows), fm[b_rows]))
+                    b_sd = np.sqrt(fs[b_rows] ** 2 + (size_sd * near[b_rows]) ** 2)
+                if not len(idx):
+                    continue
+                off = np.array([cal.offset(target, g) for g in groups[idx]])
+                var = np.array([cal.variance(target, g) for g in groups[idx]])
+                mu[idx] += off
+                extra_sz = (size_sd * _size_d(fl["size"][idx])) ** 2
+                if choice == "residual" and target in res_logs:
+                    i = np.flatnonzero(probed)
+                    rm, rs = res_logs[target]
+                    mu[idx[i]] += rm[idx[i]]
+                    sd[idx[i]] = np.sqrt(rs[idx[i]] ** 2 + extra_sz[i]) * scale
+                    zrow[idx[i]] = q
+                    idx, var, extra_sz = idx[~probed], var[~probed], extra_sz[~probed]
+                # the calibrated prior (its factor only where it is the chosen recipe)
+                c = scale if choice == "calibrated" else \
+                    self.meta.get("transfer", {}).get("cv", {}).get(target, {}).get(
+                        "calibrated", {}).get("scale", 1.0)
+                sd[idx] = np.sqrt(var + extra_sz) * c
+                zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
+                    self.meta.get("interval", 0.9)) / 2)
+                if blend and len(b_rows):
+                    lam = self.blend[target]
+                    own_sd = np.sqrt(var + extra_sz)[np.isin(idx, b_rows)]
+                    mu[b_rows] = (1 - lam) * mu[b_rows] + lam * b_mu
+                    sd[b_rows] = np.sqrt((1 - lam) * own_sd**2 + lam * b_sd**2) * scale
+                    zrow[b_rows] = q
+            out[target] = (mu, sd)
+        if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
+            (lp, sp), (lr, sr) = out["power"], out["runtime"]
+            out["energy"] = (lp + lr, np.hypot(sp, sr))
+        res = result(out, {tg: flags.get(tg, flags["runtime"]) for tg in out}, zrow)
+        bounds.clip(res, t)
+        return res
+
+    def _tree_logs(self, kind: str, trees: dict[str, tuple[Any, float]], t: Table
+                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per target and row of ``t``: the mean of the trees' predictions (log space),
+        and their spread combined with the noise of one measurement (the sd before the
+        interval scale)."""
+        if not trees:
+            return {}
+        X32 = features.table_matrix(t).astype(np.float32)
+        out = {}
+        for target, (et, noise) in trees.items():
+            key = f"{kind}/{target}"
+            flat = self._flat.get(key)
+            if flat is None and X32.shape[0] <= _FLAT_MAX_ROWS:
+                flat = self._flat[key] = _FlatForest(et.estimators_)
+            per_tree = _per_tree(et, flat, X32)
+            out[target] = (per_tree.mean(axis=0),
+                           np.maximum(np.sqrt(per_tree.std(axis=0) ** 2 + noise**2), MIN_SD))
+        return out
+
+
+def unknown_kernel_groups(prior: ForestModel, t: Table) -> dict[str, list[str]]:
+    """Per prior target: the dtype/kernel groups of ``t``'s measured rows whose kernel
+    the prior was never trained on (for that target), with MIN_GROUP_PROBES rows (trees
+    on fewer probes of a kernel whose efficiency spans decades, GPPerf's tiled one, were
+    off by up to 45x)."""
+    recs = prior.meta.get("domain_targets") or {}
+    if len(t) < MIN_OVERRIDE:
+        return {}
+    groups = _groups(t)
+    out = {}
+    for target in prior.forests:
+        known = set((recs.get(target) or prior.meta.get("domain") or {}).get("kernels", []))
+        ok = np.isfinite(t[COLUMN[target]])
+        names_, counts = np.unique(groups[ok].astype(str), return_counts=True)
+        names = [str(g) for g, c in zip(names_, counts)
+                 if g.split("/")[1] not in known and c >= MIN_GROUP_PROBES]
+        if names:
+            out[target] = names
+    return out
+
+
+def _select(apes: Mapping[str, np.ndarray], default: str = DEFAULT_CHOICE,
+            override: bool = True) -> str:
+    """The recipe to use from per-probe out-of-fold errors (NaN where none): the
+    default (the calibrated prior where it has no errors), unless ``override`` and
+    another's error is lower by SELECT_SE standard errors of the paired difference (then
+    the lowest of those that are)."""
+    default = default if default in apes else "calibrated"
+    if default not in apes:
+        return min(apes, key=lambda c: float(np.nanmean(apes[c])))
+    if not override:
+        return default
+    best, best_err = default, float(np.nanmean(apes[default]))
+    for name, ape in apes.items():
+        d = apes[default] - ape
+        d = d[np.isfinite(d)]
+        if name == default or len(d) < 2:
+            continue
+        se = float(np.std(d, ddof=1)) / math.sqrt(len(d))
+        err = float(np.nanmean(ape))
+        if float(np.mean(d)) > SELECT_SE * se and err < best_err:
+            best, best_err = name, err
+    return best
+
+
+def _fit_trees(t: Table, cfg: ModelConfig, targets: Sequence[str],
+               base: Mapping[str, np.ndarray] | None = None, n_jobs: int = 1
+               ) -> dict[str, tuple[Any, float]]:
+    """Per target: extremely randomized trees (FEW_MAX_FEATURES) on the probes of ``t``,
+    repeats of a configuration fitted as one row (their median), and the noise of one
+    measurement (log sd of the repeats; 0 without repeats); on the target's model space,
+    or on log(measured) - ``base[target]`` where ``base`` is given."""
+    from sklearn.ensemble import ExtraTreesRegressor
+
+    X = features.table_matrix(t).astype(np.float32)
+    gid = features.config_ids(t)
+    out: dict[str, tuple[Any, float]] = {}
+    for target in targets:
+        if base is not None and target not in base:
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            y = to_model_space(target, t) if base is None else \
+                np.log(t[COLUMN[target]]) - base[target]
+        ok = np.isfinite(y)
+        if ok.sum() < 2:
+            continue
+        first, med, cnt, inv = _aggregate(y[ok], gid[ok])
+        noise = 0.0
+        if (cnt >= 2).sum() >= 3:
+            rep = cnt[inv] >= 2
+            dev = y[ok][rep] - (np.bincount(inv, weights=y[ok]) / cnt)[inv][rep]
+            noise = float(np.sqrt(np.sum(dev**2) / (rep.sum() - (cnt >= 2).sum())))
+        Xg = X[ok][first]
+        if len(med) > MAX_SAMPLES:  # bounds the fitting time, as the forests' max_samples
+            keep = np.sort(np.random.default_rng(cfg.seed).choice(len(med), MAX_SAMPLES,
+                                                                  replace=False))
+            Xg, med, cnt = Xg[keep], med[keep], cnt[keep]
+        et = ExtraTreesRegressor(n_estimators=cfg.n_estimators, min_samples_leaf=1,
+                                 max_features=FEW_MAX_FEATURES, random_state=cfg.seed,
+                                 n_jobs=n_jobs)
+        et.fit(Xg, med, sample_weight=cnt.astype(np.float64))
+        et.n_jobs = 1  # predictions are single-threaded whatever the fit used
+        out[target] = (et, noise)
+    return out
+
+
+def _t_quantile(dof: float, p: float) -> float:
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(p, dof))

@@ -1,0 +1,312 @@
+"""Validation at fit time: what the training data say about predicting outside
+themselves. Sizes beyond the trained range held out (_validate_size), each GPU model
+left out in turn (_validate_transfer) and a new GPU's first probes simulated
+(_validate_calibration), on small forests fitted quickly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from gemmd import bounds, features
+from gemmd.config import ModelConfig
+from gemmd.features import Table
+from gemmd.gemm import COLUMN
+from gemmd.hardware import gpu_model_key
+from gemmd.model.domain import (
+    OOD_SD,
+    SIZE_MIN_D,
+    TRANSFER_GRID,
+    _reference_shapes,
+    domain_flags,
+    domain_record,
+    widen,
+)
+from gemmd.model.intervals import (
+    MAX_FEATURES,
+    _aggregate,
+    _weighted_conformal_quantile,
+    conformal_quantile,
+)
+from gemmd.model.offsets import LEVEL_N0_DEFAULT, RESID_SD0, _groups, _robust_offsets
+from gemmd.model.space import runtime_reference, to_model_space
+
+VALIDATION_TREES = 20  # trees of each forest fitted to validate (leave-one-GPU-out, sizes)
+VALIDATION_TRAIN_MAX = 5_000  # configurations such a forest is fitted on, at most
+VALIDATION_TEST_MAX = 1_500  # rows it is judged on, at most
+LOGO_MAX_GPUS = 6  # GPU models left out in turn, at most (those with the most rows)
+LOGO_MIN_ROWS = 20  # rows a GPU model needs to be left out and judged
+LOGO_TRUST_GPUS = 9  # GPU models left out before their spread alone sets the "gpu" widening
+# The least widening per factor of 2 beyond the trained sizes, whatever the folds found
+# (log-space sd): what lies beyond the data can hold what no fold inside it shows.
+SIZE_SD_FLOOR = 0.05
+SIZE_SHARE = 0.15  # the largest (smallest) sizes held out to validate extrapolation
+# What a fold is built as: ForestModel (forests, sigma, z, meta), passed in by
+# ForestModel.fit_table, which calls this module (importing it here would close a circle).
+ModelClass = Callable[[dict[str, Any], dict[str, float], float, dict[str, Any]], Any]
+
+
+def _quick_forest(X: np.ndarray, y: np.ndarray, gid: np.ndarray, cfg: ModelConfig) -> Any:
+    """A small forest on per-configuration medians (VALIDATION_TREES, at most
+    VALIDATION_TRAIN_MAX configurations), as _fit_one fits but without its intervals."""
+    from sklearn.ensemble import RandomForestRegressor
+
+    first, med, cnt, _ = _aggregate(y, gid)
+    if len(med) > VALIDATION_TRAIN_MAX:
+        keep = np.sort(np.random.default_rng(cfg.seed).choice(len(med), VALIDATION_TRAIN_MAX,
+                                                              replace=False))
+        first, med, cnt = first[keep], med[keep], cnt[keep]
+    return RandomForestRegressor(
+        n_estimators=VALIDATION_TREES, max_depth=cfg.max_depth or None,
+        min_samples_leaf=cfg.min_samples_leaf, max_leaf_nodes=cfg.max_leaf_nodes or None,
+        max_features=MAX_FEATURES, random_state=cfg.seed, n_jobs=1,
+    ).fit(X[first], med, sample_weight=cnt.astype(np.float64))
+
+
+def _fold_model(t: Table, idx: np.ndarray, X: np.ndarray, gid: np.ndarray, target: str,
+                y: np.ndarray, sigma: float, cfg: ModelConfig, model: ModelClass) -> Any:
+    """A ``model`` (ForestModel) of one target fitted on the rows ``idx`` of ``t``
+    (quickly): what a model trained on them alone predicts, with their domain and
+    reference shapes."""
+    tr = t.take(idx)
+    rf = _quick_forest(X[idx], y[idx], gid[idx], cfg)
+    meta = {"reference_shapes": _reference_shapes(tr), "domain": domain_record(tr),
+            "roofline_efficiency": cfg.roofline_efficiency, "interval": cfg.interval}
+    return model({target: rf}, {target: sigma}, NormalDist().inv_cdf(
+        0.5 + cfg.interval / 2), meta)
+
+
+def _test_rows(sel: np.ndarray, seed: int) -> np.ndarray:
+    idx = np.flatnonzero(sel)
+    if len(idx) > VALIDATION_TEST_MAX:
+        idx = np.sort(np.random.default_rng(seed).choice(idx, VALIDATION_TEST_MAX,
+                                                         replace=False))
+    return idx
+
+
+def _clip_logs(target: str, t: Table, mu: np.ndarray) -> np.ndarray:
+    """Log points inside the physical bounds (gemmd.bounds), as predictions are served."""
+    if target == "runtime":
+        floor = bounds.runtime_floor(t)
+        return np.where(floor > 0, np.maximum(mu, np.log(np.maximum(floor, 1e-300))), mu)
+    if target == "power":
+        idle, lim = bounds.power_range(t)
+        with np.errstate(divide="ignore"):
+            return np.clip(mu, np.log(idle), np.log(lim))
+    return mu
+
+
+def _need(r: np.ndarray, sd: np.ndarray, z: float, per: np.ndarray) -> np.ndarray:
+    """Per residual: the spread ``per`` unit of distance must add (in quadrature to sd)
+    for the interval z * sd to hold it; 0 where sd alone does."""
+    return np.sqrt(np.maximum((np.abs(r) / z) ** 2 - sd**2, 0.0)) / np.maximum(per, 1e-12)
+
+
+def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, Any],
+              sigma: Mapping[str, float], in_scale: Mapping[str, float], cfg: ModelConfig,
+              model: ModelClass) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+    """What the training data say about predicting outside themselves, per forest target:
+    ({target: {"size": spread per factor of 2 beyond the trained sizes, "gpu": spread on
+    a GPU model never trained on}} where measured, {target: the leave-one-GPU-out
+    record}); see _validate_size and _validate_transfer. ``model``: what folds are built
+    as (ModelClass)."""
+    ood: dict[str, dict[str, float]] = {}
+    transfer: dict[str, dict[str, Any]] = {}
+    z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
+    for target in forests:
+        y = to_model_space(target, t)
+        tau = dict(OOD_SD.get(target, OOD_SD["runtime"]))
+        size = _validate_size(t, X, gid, target, y, sigma[target], in_scale[target], cfg, z,
+                              model)
+        if size is not None:
+            tau["size"] = ood.setdefault(target, {})["size"] = size
+        rec = _validate_transfer(t, X, gid, target, y, sigma[target], in_scale[target], cfg,
+                                 z, tau, model)
+        if rec:
+            transfer[target] = rec
+            # GPUs left out are the units: below LOGO_TRUST_GPUS of them the nominal
+            # share of GPUs cannot be told, and the spread is never taken below OOD_SD's
+            gpu = rec["gpu_sd"] if len(rec["gpus"]) >= LOGO_TRUST_GPUS else \
+                max(rec["gpu_sd"], tau["gpu"])
+            ood.setdefault(target, {})["gpu"] = gpu
+    return ood, transfer
+
+
+def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.ndarray,
+                   sigma: float, scale: float, cfg: ModelConfig, z: float, model: ModelClass
+                   ) -> float | None:
+    """The spread per factor of 2 beyond the trained sizes that makes the nominal interval
+    hold there: the largest SIZE_SHARE of rows in M, N or K held out (then the smallest),
+    a forest fitted on the rest, and each held-out row's residual set against the
+    interval it would get in the domain, over how far beyond the range it lies (at least
+    SIZE_MIN_D factors of 2); the conformal quantile of what each needs. None when the
+    data do not span sizes enough to try."""
+    ok = np.isfinite(y)
+    lg = np.column_stack([np.log2(t[c]) for c in ("m", "n", "k")])
+    needs = []
+    for side in (1, -1):
+        out = np.zeros(len(t), dtype=bool)
+        for j in range(3):
+            v = lg[ok, j]
+            u = np.unique(v)
+            if len(u) < 4:
+                continue
+            # the distinct size whose share beyond it is nearest SIZE_SHARE (sizes
+            # often lie on a grid: a quantile there would leave nothing beyond it)
+            cut = u[:-1] if side > 0 else u[1:]
+            share = np.array([np.mean(side * (v - c) > 0) for c in cut])
+            q = cut[int(np.argmin(np.abs(share - SIZE_SHARE)))]
+            out |= (side * (lg[:, j] - q) > 0) & ok
+        train = ok & ~out
+        if out.sum() < LOGO_MIN_ROWS or train.sum() < 3 * LOGO_MIN_ROWS:
+            continue
+        fold = _fold_model(t, np.flatnonzero(train), X, gid, target, y, sigma, cfg, model)
+        te_idx = _test_rows(out, cfg.seed + (side > 0))
+        te = t.take(te_idx)
+        d = domain_flags(fold.meta["domain"], te)["size"]
+        mu, sd = fold.raw_logs(te, scaled=False)[target]
+        mu = _clip_logs(target, te, mu)
+        r = np.log(te[COLUMN[target]]) - mu
+        far = (d > 0) & np.isfinite(r)
+        if far.any():
+            needs.append(_need(r[far], sd[far] * scale, z, np.maximum(d[far], SIZE_MIN_D)))
+    if not needs or sum(len(n) for n in needs) < LOGO_MIN_ROWS:
+        return None
+    return float(np.clip(conformal_quantile(np.concatenate(needs), cfg.interval),
+                         SIZE_SD_FLOOR, 2.0))
+
+
+def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
+                       y: np.ndarray, sigma: float, scale: float, cfg: ModelConfig, z: float,
+                       tau: Mapping[str, float], model: ModelClass) -> dict[str, Any]:
+    """Leave-one-GPU-out on the training data (at least two GPU models with the target
+    measured): each GPU model in turn predicted by a forest of the others, as the model
+    predicts a GPU it never saw. For runtime, every (w, a) of TRANSFER_GRID is judged
+    (ForestModel.transfer_runtime): the one with the least mean error relative to the
+    roofline estimate's (each held-out GPU counts once) is chosen. Returns {} without two
+    GPU models, else {"w", "a", "gpus", "scores" (per candidate: mean MAPE / roofline
+    MAPE), "mape" (per held-out GPU at the choice), "roofline_mape", "level_sd" (how far
+    a held-out GPU's level was off: the root mean square of their median log residual),
+    "shape_sd" (the scatter around it: median of their MAD x 1.4826) and "gpu_sd" (the
+    spread that makes the nominal interval, with the other widenings a row gets, hold
+    on the held-out GPUs' rows, each GPU weighted alike)}."""
+    ok = np.isfinite(y)
+    if not ok.any():
+        return {}
+    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device]
+    names, counts = np.unique(keys[ok], return_counts=True)
+    if len(names) < 2:
+        return {}
+    order = np.argsort(-counts, kind="stable")
+    gpus = [str(names[i]) for i in order[:LOGO_MAX_GPUS] if counts[i] >= LOGO_MIN_ROWS]
+    if not gpus:
+        return {}
+    eff = cfg.roofline_efficiency
+    grid = TRANSFER_GRID if target == "runtime" else ((1.0, 1.0),)
+    err: dict[tuple[float, float], list[float]] = {c: [] for c in grid}
+    roof_err: list[float] = []
+    folds = []
+    fold_groups: list[np.ndarray] = []
+    for g_i, g in enumerate(gpus):
+        fold = _fold_model(t, np.flatnonzero(ok & (keys != g)), X, gid, target, y, sigma, cfg,
+                           model)
+        te_idx = _test_rows(ok & (keys == g), cfg.seed + g_i)
+        te = t.take(te_idx)
+        yt = np.log(te[COLUMN[target]])
+        flags = domain_flags(fold.meta["domain"], te)
+        mu, sd = fold.raw_logs(te, scaled=False)[target]
+        cands = {}
+        if target == "runtime":
+            todo = flags["gpu"] & ~flags["kernel"]
+            level = fold.forest_levels(te, todo)
+            ref = np.log(runtime_reference(te))
+            zz = np.where(todo, mu - ref - level, 0.0)
+            for w, a in grid:
+                p = np.where(todo, ref + (1 - w) * math.log(1 / eff) + w * level + a * zz, mu)
+                cands[(w, a)] = _clip_logs(target, te, fold._fallback(target, te, p, flags))
+            roof = features.roofline(te) / eff
+            roof_err.append(float(np.mean(np.abs(roof / np.exp(yt) - 1))))
+        else:
+            cands[(1.0, 1.0)] = _clip_logs(target, te, mu)
+            roof_err.append(float("nan"))
+        for c, p in cands.items():
+            err[c].append(float(np.mean(np.abs(np.expm1(p - yt)))))
+        folds.append((yt, cands, sd * scale, flags))
+        fold_groups.append(_groups(te))
+    ratio = {c: float(np.mean(np.array(e) / np.array(roof_err))) if target == "runtime"
+             else float(np.mean(e)) for c, e in err.items()}
+    best = min(grid, key=lambda c: (ratio[c], grid.index(c)))
+    levels, spreads, needs, weights = [], [], [], []
+    for yt, cands, sd, flags in folds:
+        r = yt - cands[best]
+        med = float(np.median(r))
+        levels.append(med)
+        spreads.append(1.4826 * float(np.median(np.abs(r - med))))
+        other = widen(target, np.zeros(len(r)), flags, skip=("gpu",), tau=tau)
+        needs.append(_need(r, np.hypot(sd, other), z, np.ones(len(r))))
+        weights.append(np.full(len(r), 1.0 / len(r)))
+    gpu_sd = _weighted_conformal_quantile(np.concatenate(needs), np.concatenate(weights),
+                                          cfg.interval)
+    shape_sd = float(np.median(spreads)) or RESID_SD0
+    n0, gain = _validate_calibration([(yt - cands[best], g) for (yt, cands, _, _), g
+                                      in zip(folds, fold_groups)], shape_sd, cfg.seed)
+    return {"w": best[0], "a": best[1], "gpus": gpus,
+            "scores": {f"{w:g},{a:g}": v for (w, a), v in ratio.items()},
+            "mape": dict(zip(gpus, err[best])),
+            "roofline_mape": dict(zip(gpus, roof_err)) if target == "runtime" else {},
+            "level_sd": float(np.sqrt(np.mean(np.square(levels)))),
+            "shape_sd": shape_sd, "gpu_sd": float(np.clip(gpu_sd, 0.02, 3.0)),
+            "level_n0": n0, "calibration_gain": gain}
+
+
+# How many probes' worth the prior's level counts for against a new GPU's own
+# (calibrate: the level is shrunk toward the prior by this pseudo-count), the candidates
+# leave-one-GPU-out judges: simulated calibrations of each held-out GPU on CAL_PROBES
+# random rows of it (CAL_DRAWS draws each), the pseudo-count with the least mean error
+# relative to no calibration (the largest among equals: the prior is kept unless the
+# probes help).
+LEVEL_N0_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+CAL_PROBES = (5, 20)
+CAL_DRAWS = 20
+
+
+def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: float,
+                          seed: int) -> tuple[float, dict[str, float]]:
+    """(the chosen pseudo-count of LEVEL_N0_GRID, {probes: mean error relative to none
+    at that choice}) from each held-out GPU's log residuals (measured minus predicted, as
+    carried over) and dtype/kernel group per row: calibrate's level and group offsets,
+    each with that pseudo-count, on random rows of the GPU, judged on all of its rows."""
+    rng = np.random.default_rng(seed)
+    ratio: dict[float, list[float]] = {n0: [] for n0 in LEVEL_N0_GRID}
+    per_n: dict[float, dict[int, list[float]]] = {n0: {n: [] for n in CAL_PROBES}
+                                                  for n0 in LEVEL_N0_GRID}
+    for r, groups in resid:
+        ok = np.isfinite(r)
+        r, groups = r[ok], groups[ok].astype(str)
+        base = float(np.mean(np.abs(np.expm1(-r))))
+        if len(r) < 2 * max(CAL_PROBES) or base <= 0:
+            continue
+        names_all, g_all = np.unique(groups, return_inverse=True)
+        for n in CAL_PROBES:
+            draws = [rng.choice(len(r), n, replace=False) for _ in range(CAL_DRAWS)]
+            for n0 in LEVEL_N0_GRID:
+                tau = s0 / math.sqrt(n0)
+                errs = []
+                for idx in draws:
+                    present, gi = np.unique(g_all[idx], return_inverse=True)
+                    b, cg = _robust_offsets(r[idx], gi.ravel(), len(present), s0, tau,
+                                               np.full(len(present), tau))
+                    shift = np.full(len(names_all), b)
+                    shift[present] += cg
+                    errs.append(float(np.mean(np.abs(np.expm1(shift[g_all] - r)))))
+                ratio[n0].append(float(np.mean(errs)) / base)
+                per_n[n0][n].append(float(np.mean(errs)) / base)
+    if not ratio[LEVEL_N0_GRID[0]]:
+        return LEVEL_N0_DEFAULT, {}
+    mean = {n0: float(np.mean(v)) for n0, v in ratio.items()}
+    best = min(LEVEL_N0_GRID, key=lambda n0: (round(mean[n0], 4), -n0))
+    return best, {str(n): float(np.mean(v)) for n, v in per_n[best].items()}
