@@ -61,7 +61,8 @@ CONTEXT = {"before": {"sm_clock_hz": 1980000000.0, "mem_clock_hz": 2619000000.0,
 def build(path: Path, n_rows: int, seed: int = 0) -> None:
     from gemmd.config import FakeDeviceConfig
     from gemmd.devices.fake import FakeDevice
-    from gemmd.store import PROBE_COLUMNS, Store
+    from gemmd.store import Store
+    from gemmd.store.schema import PROBE_COLUMNS
 
     rng = np.random.default_rng(seed)
     devs = [FakeDevice(i, FakeDeviceConfig(model=m)) for i, m in

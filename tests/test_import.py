@@ -8,7 +8,8 @@ from gemmd import datasets, importer
 from gemmd.errors import InputError
 from gemmd.features import Table
 from gemmd.registry import training_data
-from gemmd.store import PROBE_COLUMNS, SCHEMA_VERSION
+from gemmd.store import SCHEMA_VERSION
+from gemmd.store.schema import PROBE_COLUMNS
 
 CUTLASS = """\
 timestamp,M,N,K,kernel,layout,cta_m,cta_n,cta_k,stages,epilogue,alpha,beta,runtime_ms,power_W

@@ -392,7 +392,8 @@ def test_fleet_report_reads_a_schema_2_store_as_it_is(tmp_path):
 
     from test_store import make_v2_store
 
-    from gemmd.report import fleet, readonly
+    from gemmd.report import readonly
+    from gemmd.report.fleet import data as fleet
 
     state = tmp_path / "state"
     cfg, uuids = fill_store(state, rounds_after_fit=10)

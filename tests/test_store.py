@@ -1,4 +1,4 @@
-"""The SQLite store (gemmd/store.py), on real database files in tmp_path."""
+"""The SQLite store (gemmd/store/), on real database files in tmp_path."""
 
 import json
 import logging
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from gemmd.errors import StoreError
-from gemmd.store import INTERVAL_COLUMNS, SCHEMA_VERSION, Store, StoreWriteError
+from gemmd.store import INTERVAL_COLUMNS, SCHEMA_VERSION, Store
+from gemmd.store.writes import StoreWriteError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -258,7 +259,7 @@ def test_disk_full_fails_each_write_cleanly_logs_once_and_recovers(store, caplog
 
 def test_writes_failing_and_recovering_over_and_over_log_every_five_minutes(store, caplog,
                                                                            monkeypatch):
-    import gemmd.store as store_mod
+    import gemmd.store.writes as store_mod
 
     now = [1000.0]
     monkeypatch.setattr(store_mod, "_clock", lambda: now[0])
@@ -461,7 +462,7 @@ def _kill_after_commit(script: str) -> None:
 
 # ---------------------------------------------------------------- schema 3: events, intervals
 
-# A store as gemmd wrote it at schema 2 (gemmd/store.py's _V1 and _V2 before schema 3).
+# A store as gemmd wrote it at schema 2 (gemmd/store/schema.py's _V1 and _V2 before schema 3).
 V2_SCHEMA = """
 CREATE TABLE probes (
     id INTEGER PRIMARY KEY, ts REAL NOT NULL, source TEXT NOT NULL, kind TEXT NOT NULL,
@@ -581,7 +582,7 @@ def test_unflag_records_the_rebaseline_with_the_results_it_unflagged(store):
 
 
 def test_events_are_pruned_with_the_daemons_probes_and_bounded(store, monkeypatch):
-    import gemmd.store as store_mod
+    import gemmd.store.writes as store_mod
 
     now = 100 * 86400.0
     store.insert_probes([row(ts=now - 10 * 86400), row(ts=now)])
@@ -651,7 +652,7 @@ def test_a_store_on_a_read_only_filesystem_says_so(tmp_path, monkeypatch):
 def test_one_daemon_per_state_directory(tmp_path):
     """Two daemons on one state directory both started and wrote rows for the same GPUs:
     the second is refused with the first one's pid; the lock goes with the first."""
-    from gemmd.store import LOCK_NAME, InstanceLock
+    from gemmd.store.lock import LOCK_NAME, InstanceLock
 
     first = InstanceLock(tmp_path).acquire()
     try:
