@@ -1,4 +1,4 @@
-"""Configuration loading and validation (gemmd/config.py) and `gemmd check-config`."""
+"""Configuration loading and validation (gemmd/config/) and `gemmd check-config`."""
 
 import hashlib
 import os

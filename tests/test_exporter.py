@@ -79,7 +79,7 @@ def test_device_counters_context_and_model_info():
     assert g("gemmd_device_power_limit_watts", d) == 700
     assert g("gemmd_model_info", {"version": "roofline", "kind": "roofline"}) == 1
     assert g("gemmd_model_refits_total", {"outcome": "accepted"}) == 0
-    from gemmd.exporter.collectors import build_revision
+    from gemmd.exporter.series import build_revision
 
     assert g("gemmd_build_info", {"version": __import__("gemmd").__version__,
                                   "revision": build_revision(),
@@ -222,7 +222,7 @@ def test_device_info_has_driver_pci_vbios_and_sizes_are_gauges():
 
 
 def test_every_clock_event_reason_and_skip_reason_exists_from_the_start():
-    from gemmd.exporter.collectors import BUSY_REASONS, ROUND_SKIPS
+    from gemmd.exporter.series import BUSY_REASONS, ROUND_SKIPS
     from gemmd.records import CLOCK_EVENT_REASONS
 
     state, dev, *_ = _state_with_probe(slow=1.25)  # throttled: hw_thermal_slowdown active
@@ -263,7 +263,7 @@ def test_skip_reasons_cover_every_reason_gemmd_records():
     import ast
     import pathlib
 
-    from gemmd.exporter.collectors import BUSY_REASONS, SKIP_REASONS
+    from gemmd.exporter.series import BUSY_REASONS, SKIP_REASONS
 
     root = pathlib.Path(__file__).resolve().parent.parent / "gemmd"
     found: set[str] = set()
@@ -312,7 +312,7 @@ def _families(reg) -> set[str]:
 
 
 def test_the_lean_profile_keeps_what_rules_and_dashboards_read_and_the_full_one_all():
-    from gemmd.exporter.collectors import LEAN, LEAN_LABELS
+    from gemmd.exporter.series import LEAN, LEAN_LABELS
 
     state, dev, spec, m, p = _state_with_probe()
     full = assemble(state, process=False)
@@ -339,7 +339,7 @@ def test_the_lean_profile_keeps_what_rules_and_dashboards_read_and_the_full_one_
 
 
 def test_every_series_carries_the_hostname_when_one_is_given(monkeypatch):
-    from gemmd.exporter.collectors import host_name
+    from gemmd.exporter.series import host_name
 
     state, *_ = _state_with_probe()
     text = Exposition(state, hostname="gpu-node-07", profile="lean").body().decode()
@@ -358,25 +358,25 @@ def test_every_series_carries_the_hostname_when_one_is_given(monkeypatch):
 
 
 def test_build_info_names_the_source_revision(tmp_path, monkeypatch):
-    from gemmd.exporter import collectors
+    from gemmd.exporter import series
 
     monkeypatch.setenv("GEMMD_REVISION", "abc123def456")
-    collectors.build_revision.cache_clear()
+    series.build_revision.cache_clear()
     try:
-        assert collectors.build_revision() == "abc123def456"
+        assert series.build_revision() == "abc123def456"
     finally:
         monkeypatch.delenv("GEMMD_REVISION")
-        collectors.build_revision.cache_clear()
+        series.build_revision.cache_clear()
     # A checkout: HEAD's commit, read from .git (a branch, a packed ref, a detached HEAD).
     git = tmp_path / ".git"
     (git / "refs" / "heads").mkdir(parents=True)
     (git / "HEAD").write_text("ref: refs/heads/main\n")
     (git / "refs" / "heads" / "main").write_text("0123456789abcdef0123\n")
-    assert collectors._git_head(git) == "0123456789ab"
+    assert series._git_head(git) == "0123456789ab"
     (git / "refs" / "heads" / "main").unlink()
     (git / "packed-refs").write_text("# pack-refs\nfedcba9876543210aaaa refs/heads/main\n")
-    assert collectors._git_head(git) == "fedcba987654"
+    assert series._git_head(git) == "fedcba987654"
     (git / "HEAD").write_text("1111222233334444\n")
-    assert collectors._git_head(git) == "111122223333"
-    revision = collectors.build_revision()
+    assert series._git_head(git) == "111122223333"
+    revision = series.build_revision()
     assert revision == "unknown" or len(revision) == 12, revision

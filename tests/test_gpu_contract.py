@@ -34,7 +34,7 @@ from cupy_backends.cuda.api.runtime import CUDARuntimeError
 from cupy_backends.cuda.libs import cublas as cupy_cublas
 
 from gemmd.config import MeasureConfig
-from gemmd.devices import cublas, nvidia, nvml
+from gemmd.devices import cublas, energy_watch, nvidia, nvml, visible
 from gemmd.devices.base import measure
 from gemmd.devices.nvml import Nvml
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable, UnsupportedProbe
@@ -111,11 +111,12 @@ def test_every_clock_event_reason_bit_of_pynvml_decodes_to_a_name():
 
 
 def test_every_cupy_name_the_backend_uses_exists_in_real_cupy():
-    used = _attribute_calls(ROOT / "gemmd/devices/nvidia.py", {"cp", "cupy"})
+    backend = ("gemmd/devices/nvidia.py", "gemmd/devices/visible.py")  # CuPy's users
+    used = set().union(*(_attribute_calls(ROOT / f, {"cp", "cupy"}) for f in backend))
     used -= {"float16", "float32", "float64", "uint8", "uint16", "uint32"}
     assert {"cuda", "RawModule", "get_default_memory_pool"} <= used
     assert sorted(n for n in used if not hasattr(cupy, n)) == []
-    cuda_used = _attribute_calls(ROOT / "gemmd/devices/nvidia.py", {"cuda"})
+    cuda_used = set().union(*(_attribute_calls(ROOT / f, {"cuda"}) for f in backend))
     assert {"Event", "Stream", "Device", "get_elapsed_time", "runtime"} <= cuda_used
     assert sorted(n for n in cuda_used if not hasattr(cupy.cuda, n)) == []
     assert not hasattr(cupy.cuda.Event, "query")  # the first-run crash of the review
@@ -208,7 +209,7 @@ def test_real_cupy_without_a_gpu_is_a_one_line_device_error():
     rec = Nvml(FakePynvml(_gpus())).discover()[0]
     with pytest.raises(DeviceError, match=r"^GPU 0: open: CUDARuntimeError: cudaError\w+"):
         nvidia.NvidiaDevice(rec, memory_budget=1 << 30, nvml=Nvml(FakePynvml(_gpus())))
-    assert nvidia.cuda_visible_bus_ids() is None  # CUDA can't be asked here: no driver
+    assert visible.cuda_visible_bus_ids() is None  # CUDA can't be asked here: no driver
 
 
 def test_the_cuda_extras_bring_the_cuda_libraries_gemmd_uses_and_no_others():
@@ -463,7 +464,7 @@ def test_energy_steps_are_watched_from_another_thread_while_the_gpu_works(gpu):
 def test_energy_watcher_keeps_only_changes():
     clock = VirtualClock()
     values = iter([1.0, 1.0, 2.0, 2.0, 3.0] + [3.0] * 100)
-    with nvidia._EnergyWatcher(lambda: next(values), period=0.001, clock=clock.now,
+    with energy_watch._EnergyWatcher(lambda: next(values), period=0.001, clock=clock.now,
                                ticker=clock) as w:
         clock.sleep(0.05)
     assert w.steps == [(pytest.approx(1000.002), 2.0), (pytest.approx(1000.004), 3.0)]
@@ -471,7 +472,7 @@ def test_energy_watcher_keeps_only_changes():
 
 def test_energy_watcher_thread_polls_until_stopped():
     values = iter([1.0, 2.0] + [3.0] * 1_000_000)
-    with nvidia._EnergyWatcher(lambda: next(values), period=0.0001) as w:
+    with energy_watch._EnergyWatcher(lambda: next(values), period=0.0001) as w:
         while len(w.steps) < 2:  # however slow the machine, both changes are seen
             time.sleep(0.001)
     assert [e for _, e in w.steps] == [2.0, 3.0] and w.error is None
@@ -493,10 +494,10 @@ def test_cuda_ordinals_are_mapped_through_pci_bus_ids():
             {"uuid": "GPU-fast", "bus": "00000000:3B:00.0", "name": "NVIDIA H100"}]
     recs = Nvml(FakePynvml(gpus)).discover()
     # CUDA numbers the H100 first (fastest first): CUDA_VISIBLE_DEVICES=0 is the H100.
-    assert [r.uuid for r in nvidia.visible(recs, "0", ["0000:3B:00.0"])] == ["GPU-fast"]
-    assert [r.uuid for r in nvidia.visible(recs, "1,0", ["0000:18:00.0", "0000:3B:00.0"])
+    assert [r.uuid for r in visible.visible(recs, "0", ["0000:3B:00.0"])] == ["GPU-fast"]
+    assert [r.uuid for r in visible.visible(recs, "1,0", ["0000:18:00.0", "0000:3B:00.0"])
             ] == ["GPU-slow", "GPU-fast"]
-    assert [r.uuid for r in nvidia.visible(recs, "GPU-fast", None)] == ["GPU-fast"]
+    assert [r.uuid for r in visible.visible(recs, "GPU-fast", None)] == ["GPU-fast"]
 
 
 @pytest.mark.skipif(GPU, reason="there is a GPU: NVML starts")

@@ -198,7 +198,7 @@ METRIC_RE = re.compile(r"(?<![A-Za-z0-9_:])(gemmd_[A-Za-z0-9_]*[A-Za-z0-9])")
 def reads_full_only(expr: str) -> bool:
     """Whether a query reads a series of the full metrics profile only (then it may be
     empty with the lean one, the default)."""
-    from gemmd.exporter.collectors import LEAN
+    from gemmd.exporter.series import LEAN
 
     return any(n.removesuffix("_total") not in LEAN for n in METRIC_RE.findall(expr))
 

@@ -12,7 +12,7 @@ import pytest
 from cuda_standin import FakePynvml  # tied to the real pynvml's functions and constants
 
 from gemmd import gpulibs, hardware
-from gemmd.devices import nvidia
+from gemmd.devices import nvidia, visible
 from gemmd.devices.base import over_budget
 from gemmd.devices.check import check_result
 from gemmd.devices.nvml import Nvml, decode_reasons, parse_visible_devices
@@ -71,11 +71,11 @@ def test_decode_reasons_and_visible_devices():
     assert parse_visible_devices("1,GPU-ab, 0") == ["1", "GPU-ab", "0"]
     assert parse_visible_devices("0,foo,1") == ["0"]  # CUDA stops at the first bad entry
     recs = Nvml(FakePynvml(_gpus())).discover()
-    assert [r.index for r in nvidia.visible(recs, "1,0")] == [1, 0]
-    assert [r.index for r in nvidia.visible(recs, "GPU-bbbb")] == [1]
-    assert [r.index for r in nvidia.visible(recs, "MIG-cccc-2")] == [1]
-    assert nvidia.visible(recs, "") == []
-    assert nvidia.visible(recs, None) == recs
+    assert [r.index for r in visible.visible(recs, "1,0")] == [1, 0]
+    assert [r.index for r in visible.visible(recs, "GPU-bbbb")] == [1]
+    assert [r.index for r in visible.visible(recs, "MIG-cccc-2")] == [1]
+    assert visible.visible(recs, "") == []
+    assert visible.visible(recs, None) == recs
 
 
 def test_open_all_without_pynvml_or_gpu_is_unavailable(monkeypatch):

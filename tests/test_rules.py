@@ -237,7 +237,7 @@ def family(sample_name: str) -> str:
 def test_rules_read_only_what_the_lean_profile_exports():
     """Every gemmd series a rule, an alert or an alert's description reads is in the lean
     metrics profile (the default): the rules work as shipped with either profile."""
-    from gemmd.exporter.collectors import LEAN
+    from gemmd.exporter.series import LEAN
 
     recorded = {r["record"] for r in recording_rules()}
     read: dict[str, set[str]] = {}
@@ -449,7 +449,7 @@ FULL_ROW = "metrics.profile: full"
 
 
 def full_only_families() -> set[str]:
-    from gemmd.exporter.collectors import LEAN
+    from gemmd.exporter.series import LEAN
 
     return {m for m in referenced_metrics() if ":" not in m and family(m) not in LEAN}
 

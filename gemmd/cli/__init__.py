@@ -10,8 +10,8 @@ probe          one probe round on every device, printed                    probe
 status         what the store holds: sources, devices, drift, the model    status.py
 fit            fit the model on files or stored sources                    model.py
 evaluate       gemmd's model vs GPPerf's pipeline on the same splits       model.py
-predict        runtime, power, energy of one GEMM                          model.py
-advise         the fastest and most energy-efficient known configuration   model.py
+predict        runtime, power, energy of one GEMM                          predict.py
+advise         the fastest and most energy-efficient known configuration   predict.py
 import         measurements into the store as a named source               data.py
 export         stored results with their device, as CSV                    data.py
 prune          delete stored results of one source                         data.py
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gemmd import __version__
-from gemmd.cli import daemon, data, model, probe, report, status
+from gemmd.cli import daemon, data, model, predict, probe, report, status
 from gemmd.cli.args import EXIT_CONFIG, EXIT_RUNTIME, UsageError, common_options
 from gemmd.errors import ConfigError, GemmdError
 
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common_options(common, defaults=False)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for group in (daemon, probe, status, model, data, report):
+    for group in (daemon, probe, status, model, predict, data, report):
         group.add_commands(sub, common)
     return p
 

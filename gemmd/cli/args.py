@@ -41,7 +41,7 @@ LOG_LEVELS = _config_choices("log_level")
 
 
 def format_choices() -> tuple[str, ...]:
-    """Formats of measurement files: "auto" (detected from the header) and datasets.py's.
+    """Formats of measurement files: "auto" (detected from the header) and gemmd.datasets's.
     Imported when the parser is built, not with this module (it brings numpy)."""
     from gemmd.datasets import FORMATS
 

@@ -36,7 +36,9 @@ from gemmd.devices.cublas import (
     Cublas,
     CublasError,
 )
+from gemmd.devices.energy_watch import _EnergyWatcher
 from gemmd.devices.nvml import GpuRecord, Nvml, parse_visible_devices
+from gemmd.devices.visible import _bus, cuda_visible_bus_ids, visible
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable
 from gemmd.gemm import ProbeSpec
 from gemmd.gpulibs import import_gpu_library
@@ -48,7 +50,6 @@ logger = logging.getLogger(__name__)
 _MIN_CHUNK_S = 200e-6  # GPU time per CUDA-event pair (one graph launch) at least this long
 _MAX_CHUNK = 4096  # GEMMs per captured graph at most
 _MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
-_POLL_S = 0.0005  # the energy watcher's polling period
 _CHECK_ROWS, _CHECK_COLS = 8, 256
 
 def blas_args(spec: ProbeSpec) -> dict[str, int]:
@@ -134,51 +135,6 @@ def _sticky(e: BaseException) -> bool:
     return not isinstance(status, int) or status in STICKY_CUDA_ERRORS
 
 
-def _bus(bus_id: str) -> str:
-    """A PCI bus id in one spelling: NVML's "00000000:18:00.0" and CUDA's "0000:18:00.0"."""
-    return bus_id.lower()[-12:]
-
-
-def cuda_visible_bus_ids() -> list[str] | None:
-    """PCI bus ids of the GPUs CUDA shows this process, in CUDA's order; None when CUDA
-    can't be asked. Initializes the driver, creates no context."""
-    try:
-        cupy = import_gpu_library("cupy", "CuPy")
-        rt = cupy.cuda.runtime
-        return [rt.deviceGetPCIBusId(i) for i in range(rt.getDeviceCount())]
-    except (DeviceUnavailable, RuntimeError) as e:  # CUDARuntimeError is a RuntimeError
-        logger.debug("cannot ask CUDA which GPUs are visible: %s", e)
-        return None
-
-
-def visible(records: list[GpuRecord], env: str | None,
-            cuda_bus_ids: list[str] | None = None) -> list[GpuRecord]:
-    """The GPUs CUDA_VISIBLE_DEVICES lets this process use, in CUDA's order.
-
-    Numeric entries are CUDA ordinals, which follow CUDA_DEVICE_ORDER (fastest first by
-    default), not NVML's PCI order: they are resolved through the PCI bus ids CUDA reports
-    (``cuda_bus_ids``). UUID entries are matched directly.
-    """
-    wanted = parse_visible_devices(env)
-    if wanted is None:
-        return records
-    if cuda_bus_ids is not None and any(w.isdigit() for w in wanted):
-        by_bus = {_bus(r.pci_bus_id): r for r in records}
-        return [by_bus[_bus(b)] for b in cuda_bus_ids if _bus(b) in by_bus]
-    if any(w.isdigit() for w in wanted) and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" \
-            and len({r.name for r in records}) > 1:
-        logger.warning("CUDA_VISIBLE_DEVICES=%s names GPUs by CUDA ordinal, CUDA could not be "
-                       "asked which GPUs those are, and this host mixes GPU models (CUDA "
-                       "numbers them fastest first): assuming NVML order; set "
-                       "CUDA_DEVICE_ORDER=PCI_BUS_ID or use GPU UUIDs", env)
-    out = []
-    for w in wanted:
-        for r in records:
-            hit = (w.isdigit() and r.index == int(w)) or (not w.isdigit() and (
-                r.uuid.startswith(w) or any(m.startswith(w) for m in r.mig_instances)))
-            if hit and r not in out:
-                out.append(r)
-    return out
 
 
 def open_all(*, memory_budget: int, isolation: str = "process", seed: int = 0) -> list[Device]:
@@ -212,60 +168,6 @@ def open_all(*, memory_budget: int, isolation: str = "process", seed: int = 0) -
     return devices
 
 
-class _EnergyWatcher:
-    """Polls the energy counter from its own thread while the GPU works, keeping each
-    change as (clock(), joules). The thread that enqueues GEMMs never polls, so watching
-    cannot starve the GPU; NVML calls release the GIL.
-
-    ``ticker`` (tests): a virtual clock with ``subscribe(fn, period)``/``unsubscribe``
-    that calls ``poll`` as its time passes, in place of the thread."""
-
-    def __init__(self, read: Any, period: float = _POLL_S,
-                 clock: Callable[[], float] = time.monotonic, ticker: Any = None):
-        self._read, self._period, self._clock, self._ticker = read, period, clock, ticker
-        self.steps: list[tuple[float, float]] = []
-        self.error: BaseException | None = None
-        self._last: float | None = None
-        self._sub: Any = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gemmd-energy-watch",
-                                        daemon=True)
-
-    def poll(self) -> None:
-        """One reading; a change is kept with its time."""
-        if self.error is not None:
-            return
-        try:
-            e = self._read()
-        except Exception as err:  # reported by the caller: watching is best effort
-            self.error = err
-            return
-        if e is not None and e != self._last:
-            self.steps.append((self._clock(), e))
-            self._last = e
-
-    def _run(self) -> None:
-        while not self._stop.is_set() and self.error is None:
-            self.poll()
-            self._stop.wait(self._period)
-
-    def __enter__(self) -> _EnergyWatcher:
-        try:
-            self._last = self._read()
-        except Exception as err:
-            self.error = err
-        if self._ticker is not None:
-            self._sub = self._ticker.subscribe(self.poll, self._period)
-        else:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._ticker is not None:
-            self._ticker.unsubscribe(self._sub)
-            return
-        self._stop.set()
-        self._thread.join(5)
 
 
 class NvidiaDevice(Device):

@@ -15,7 +15,7 @@ import time
 
 from prometheus_client import generate_latest
 
-from gemmd.exporter.collectors import assemble
+from gemmd.exporter.assembly import assemble
 from gemmd.state import State
 
 
