@@ -70,6 +70,36 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs(dist, tmp_path):
     assert r.returncode == 0 and "tiled GEMM" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("cuda", ["cuda12", "cuda13"])
+def test_the_images_python_layer_resolves_to_its_lock(dist, tmp_path, cuda):
+    """The image cannot be built here (no Docker daemon, no registry): its Python layer is
+    resolved as the Dockerfile installs it, the wheel with the CUDA extra under the image's
+    lock, against the package index (pip --dry-run: metadata only, ~1.5 GB not fetched).
+    Every package lands at its pinned version, and no CUDA library gemmd does not load."""
+    import json
+    import os
+
+    (wheel,) = dist.glob("*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    lock = ROOT / "requirements" / f"image-{cuda}.txt"
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PIP_CONSTRAINT": str(lock)}
+    r = subprocess.run([str(venv / "bin/pip"), "install", "-q", "--dry-run", "--ignore-installed",
+                        "--report", str(report), f"{wheel}[{cuda}]"],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+           for i in json.loads(report.read_text())["install"]}
+    pinned = lock.read_text()
+    for name, version in got.items():
+        if name != "gemmd-gpu":
+            assert f"\n{name}=={version}" in pinned.lower(), (name, version)
+    assert {"cupy-" + cuda + "x", "nvidia-ml-py", "scikit-learn"} <= set(got)
+    assert not [n for n in got if any(u in n for u in ("cufft", "cusolver", "cusparse",
+                                                       "nvjitlink"))]
+
+
 def test_dockerfile_runs_the_wheel_as_65532_with_the_cuda_extra_and_a_healthcheck():
     """No Docker daemon or registry here to build it (the note says so); what the image
     does is pinned down here and by the fresh-venv install above, which it repeats."""
