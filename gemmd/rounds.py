@@ -164,7 +164,7 @@ class DeviceRunner:
         with self.state.lock:
             ds.rounds_total += 1
             down, retry_at = not ds.up, ds.next_retry
-        if down and time.time() < retry_at:
+        if down and self._clock() < retry_at:
             self._skip_all("device_down", len(self.plan))
             return []
         try:
@@ -264,7 +264,8 @@ class DeviceRunner:
             if ds.consecutive_failures >= cfg.max_failures:
                 extra = ds.consecutive_failures - cfg.max_failures
                 backoff = min(cfg.max_backoff_s, cfg.probe_interval_s * 2 ** extra)
-                ds.next_retry = time.time() + backoff
+                ds.next_retry = self._clock() + backoff  # monotonic: a wall-clock jump
+                # back would otherwise keep the device down for as long as the jump
                 if ds.up:
                     logger.error("%s marked down after %d failed rounds: %s",
                                  self.label, ds.consecutive_failures, error)

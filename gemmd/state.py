@@ -33,7 +33,7 @@ class DeviceState:
     up: bool = True
     down_reason: str = ""
     consecutive_failures: int = 0
-    next_retry: float = 0.0
+    next_retry: float = 0.0  # on the runner's monotonic clock, not the wall clock
     # (kind, outcome) -> count; kind: sentinel | exploration; outcome: ok | failed | mismatch
     probes_total: Counter = field(default_factory=Counter)
     skipped_total: Counter = field(default_factory=Counter)  # reason -> count

@@ -144,7 +144,7 @@ def test_failing_device_goes_down_backs_off_and_comes_back(env, monkeypatch):
     assert [r.outcome for r in r1] == ["failed"] and ds.up  # one failure: still up
     runner.run_round()
     assert not ds.up and ds.down_reason == "failed" and ds.consecutive_failures == 2
-    assert ds.next_retry > time.time()
+    assert ds.next_retry > runner._clock()
     # While backing off, rounds are skipped without touching the device.
     calls = dev._calls
     assert runner.run_round() == []
@@ -162,15 +162,30 @@ def test_backoff_doubles_up_to_the_cap(env):
     make, _, state = env
     runner, dev = make(FakeDeviceConfig(fail_on_call=1))
     ds = state.devices[dev.info.uuid]
-    waits = []  # (least, most) backoff: next_retry is set between the two clock reads
+    waits = []  # the backoff, on the runner's (manual, monotonic) clock
     for _ in range(6):
         ds.next_retry = 0
-        before = time.time()
         runner.run_round()
-        after = time.time()
-        waits.append((ds.next_retry - after, ds.next_retry - before) if not ds.up else (0, 0))
-    for i, want in ((1, 10), (2, 20), (3, 40)):
-        assert waits[i][0] <= want <= waits[i][1], (i, waits[i])
+        waits.append(ds.next_retry - runner._clock() if not ds.up else 0)
+    assert waits[1:4] == [10, 20, 40]
+
+
+def test_backoff_is_not_stretched_by_a_wall_clock_jump(env, monkeypatch):
+    """The retry time is on the monotonic clock: the wall clock set back a day (NTP, a
+    bad RTC) must not keep a recovered device down for a day (it did: time.time())."""
+    make, _, state = env
+    clock = ManualClock()
+    runner, dev = make(FakeDeviceConfig(fail_on_call=1), clock=clock)
+    ds = state.devices[dev.info.uuid]
+    runner.run_round()
+    runner.run_round()
+    assert not ds.up and ds.next_retry - clock() == 10
+    dev.cfg = FakeDeviceConfig()
+    wall = time.time()
+    monkeypatch.setattr(time, "time", lambda: wall - 86400)  # the wall clock goes back a day
+    clock.advance(11)
+    assert all(r.outcome == "ok" for r in runner.run_round())
+    assert ds.up
 
 
 def test_one_hung_device_does_not_stop_another(env):
