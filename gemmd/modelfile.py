@@ -1,13 +1,13 @@
-"""Bounds on a model file before skops reads it (issue 24).
+"""Bounds on a model file before it is read (issue 24).
 
-A model file is a zip archive (skops). Its central directory says how large each member
-inflates to, and zipfile stops a member there, so an archive can be sized before any of it
-is inflated: a 400 KB file whose ``schema.json`` inflates to 400 MB loaded as a valid model
-(``gemmd predict --model`` peaked at 955 MB). gemmd writes its models uncompressed (the
-archive is as large as what it holds); a model re-zipped with compression shrinks a few
-times at most. Anything that would inflate to more than ``MAX_RATIO`` times its size (and
-more than ``FLOOR_BYTES``) is refused, and so is a file larger than ``MAX_FILE_BYTES``
-(a sparse file of GBs of nothing).
+A model file is a zip archive (gemmd's flat arrays; skops before). Its central directory
+says how large each member inflates to, and zipfile stops a member there, so an archive can
+be sized before any of it is inflated: a 400 KB file whose ``schema.json`` inflates to 400
+MB loaded as a valid model (``gemmd predict --model`` peaked at 955 MB). gemmd writes its
+models uncompressed (the archive is as large as what it holds); a model re-zipped with
+compression shrinks a few times at most. Anything that would inflate to more than
+``MAX_RATIO`` times its size (and more than ``FLOOR_BYTES``) is refused, and so is a file
+larger than ``MAX_FILE_BYTES`` (a sparse file of GBs of nothing).
 """
 
 from __future__ import annotations

@@ -55,7 +55,16 @@ def host():
 
 
 def _trees(model: ForestModel) -> list:
-    return [e.tree_ for rf in model.forests.values() for e in rf.estimators_]
+    """Each tree (its node_count and n_leaves), of fitted forests or a loaded model's flat
+    ones."""
+    from types import SimpleNamespace
+
+    from gemmd.model.flat import _FlatForest
+
+    return [SimpleNamespace(node_count=n, n_leaves=leaves) for rf in model.forests.values()
+            if isinstance(rf, _FlatForest) for n, leaves in rf.tree_sizes()] + \
+        [e.tree_ for rf in model.forests.values() if not isinstance(rf, _FlatForest)
+         for e in rf.estimators_]
 
 
 def test_every_tree_stays_within_max_leaf_nodes(host):

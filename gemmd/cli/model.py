@@ -105,7 +105,7 @@ def _evaluate_model(args: argparse.Namespace) -> int:
     from gemmd.modelfile import check_archive
 
     cfg = load_config(args)
-    check_archive(args.model)  # before skops inflates anything (as predict does)
+    check_archive(args.model)  # before anything is inflated (as predict does)
     model = ForestModel.load(args.model)
     ds = load_dataset(args, cfg)
     cal = None

@@ -118,7 +118,7 @@ def _predictor(args: argparse.Namespace, cfg: Config) -> Predictor:
     catalog, spec_keys = gpu_catalog(args.gpu_spec)
     pred: Predictor
     if args.model:
-        check_archive(args.model)  # before skops inflates anything
+        check_archive(args.model)  # before anything is inflated
         pred = Predictor(ForestModel.load(args.model), str(args.model), catalog, spec_keys)
     elif not store_path(cfg).is_file():
         pred = Predictor(RooflinePredictor(cfg.model.roofline_efficiency), "roofline",

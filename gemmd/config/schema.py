@@ -143,8 +143,9 @@ class ModelConfig:
     max_depth: int = _f(0, min=0, max=200)  # 0 = unlimited
     min_samples_leaf: int = _f(2, min=1, max=10000)
     # Most leaves per tree (0 = unlimited): bounds a forest's memory whatever the store
-    # holds, about n_estimators x 2 x this x 112 bytes per target (bench/RESULTS.md,
-    # "Memory over a week"); trees grow best-first, the most useful splits first.
+    # holds, about n_estimators x 2 x this x 22 bytes per target in the daemon (the flat
+    # arrays of the model file), x 112 where it is fitted (bench/RESULTS.md, "Memory over
+    # a week"); trees grow best-first, the most useful splits first.
     max_leaf_nodes: int = _f(4096, min=0, max=10_000_000)
     interval: float = _f(0.9, min=0.5, max=0.999)
     keep: int = _f(5, min=1, max=1000)

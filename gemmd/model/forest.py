@@ -53,6 +53,10 @@ from gemmd.model.persistence import (
     _configs,
     _device_meta,
     _plain,
+    check_format,
+    is_flat,
+    read_flat,
+    write_flat,
 )
 from gemmd.model.repeats import (
     _encode_repeats,
@@ -356,7 +360,8 @@ class ForestModel:
         logs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # log point, log-space sd
         for target, rf in self.forests.items():
             flat = self._flat.get(target)
-            if flat is None and X32.shape[0] <= _FLAT_MAX_ROWS:
+            if flat is None and X32.shape[0] <= _FLAT_MAX_ROWS and \
+                    not isinstance(rf, _FlatForest):
                 flat = self._flat[target] = _FlatForest(rf.estimators_)
             per_tree = _per_tree(rf, flat, X32)
             mean, spread = per_tree.mean(axis=0), per_tree.std(axis=0)
@@ -431,17 +436,17 @@ class ForestModel:
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> str:
-        """Write atomically (temp file + rename); returns the file's sha256."""
-        sio = import_hiding_cupy("skops.io")  # CuPy: 165 MB for nothing here
-
+        """Write atomically (temp file + rename); returns the file's sha256. The file holds
+        the forests as flat arrays (persistence: read without scikit-learn)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"forests": self.forests, "sigma": self.sigma, "z": self.z,
-                   "meta": json.dumps(self.meta)}
+        flats = {t: rf if isinstance(rf, _FlatForest) else
+                 self._flat.get(t) or _FlatForest(rf.estimators_)
+                 for t, rf in self.forests.items()}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".skops")
         os.close(fd)
         try:
-            sio.dump(payload, tmp)
+            write_flat(tmp, flats, self.sigma, self.z, self.meta)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             digest = file_sha256(tmp)
@@ -456,15 +461,24 @@ class ForestModel:
 
     @classmethod
     def load(cls, path: str | Path, sha256: str | None = None) -> ForestModel:
-        """Load without executing code: checksum first, then skops with trusted types only."""
-        sio = import_hiding_cupy("skops.io")
-
+        """Load without executing code: checksum first, then the flat arrays (numpy, no
+        pickle: scikit-learn is not imported) or, for a file written before them, skops
+        with trusted types only."""
         path = Path(path)
         if not path.is_file():
             raise ModelError(f"model file {path} does not exist")
         if sha256 and file_sha256(path) != sha256:
             raise ModelError(f"model file {path} does not match its recorded checksum "
                              "(tampered with or truncated)")
+        if is_flat(path):
+            try:
+                return cls(*read_flat(path))
+            except ModelError:
+                raise
+            except Exception as e:  # zipfile/numpy/json raise many types on a corrupt file
+                raise ModelError(f"model file {path} cannot be read: {type(e).__name__}: "
+                                 f"{e}") from e
+        sio = import_hiding_cupy("skops.io")
         try:
             untrusted = sio.get_untrusted_types(file=str(path))
             extra = sorted(set(untrusted) - set(TRUSTED_TYPES))
@@ -478,10 +492,7 @@ class ForestModel:
             raise
         except Exception as e:  # skops/zipfile/json raise many types on a corrupt file
             raise ModelError(f"model file {path} cannot be read: {type(e).__name__}: {e}") from e
-        if meta.get("format") != MODEL_FORMAT or meta.get("features") != list(features.FEATURES):
-            raise ModelError(f"model file {path} was fitted by another gemmd version (model "
-                             f"format {meta.get('format', 1)}, this gemmd reads "
-                             f"{MODEL_FORMAT}); refit it")
+        check_format(meta, path)
         _check_forests(payload, path)
         return cls(payload["forests"], dict(payload["sigma"]), float(payload["z"]), meta)
 
