@@ -122,6 +122,9 @@ INVALID = [
     pytest.param({"devices": 5}, "devices", "expected a string or a list", id="devices-int"),
     pytest.param({"backend": "fake", "fake": {"devices": []}}, "fake.devices",
                  "at least one device", id="fake-without-devices"),
+    pytest.param({"fake": {"devices": [{"slowdown_when_file": "x" * 300}]}},
+                 "fake.devices[0].slowdown_when_file", "is longer than the 255 allowed",
+                 id="fake-slowdown-file-name-too-long"),
     pytest.param([1, 2], "<top>", "expected a mapping, got list", id="top-level-list"),
 ]
 

@@ -92,6 +92,21 @@ def test_fake_slowdown_waits_for_its_start():
     assert later.context()["clock_event_reasons"] == []
 
 
+def test_fake_slowdown_holds_while_its_file_exists(tmp_path):
+    spec = ProbeSpec(4096, 4096, 4096, "bf16")
+    flag = tmp_path / "slow"
+    normal = FakeDevice(0, FakeDeviceConfig(), seed=7)
+    dev = FakeDevice(0, FakeDeviceConfig(slowdown_factor=1.5, slowdown_when_file=str(flag)),
+                     seed=7)
+    assert dev.run(spec, 5, NOCANCEL) == normal.run(spec, 5, NOCANCEL)  # no file: normal
+    flag.touch()
+    ratio = np.median(dev.run(spec, 50, NOCANCEL)) / np.median(normal.run(spec, 50, NOCANCEL))
+    assert ratio == pytest.approx(1.5, rel=0.05)
+    assert "hw_thermal_slowdown" in dev.context()["clock_event_reasons"]
+    flag.unlink()
+    assert dev.run(spec, 5, NOCANCEL) == normal.run(spec, 5, NOCANCEL)
+
+
 def test_fake_fail_on_call():
     dev = FakeDevice(0, FakeDeviceConfig(fail_on_call=3))
     spec = ProbeSpec(1024, 1024, 1024)

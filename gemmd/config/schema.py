@@ -199,6 +199,9 @@ class FakeDeviceConfig:
     model: str = _f("H100-SXM", choices=("H100-SXM", "A100-SXM", "RTX4070", "L4"))
     slowdown_factor: float = _f(1.0, min=0.01, max=1000.0)
     slowdown_after_s: float = _f(0.0, min=0.0, max=1e9)
+    # Set: the slowdown holds while this file exists instead (a demo or a test starts it
+    # when it chooses: `touch` it once drift is armed, remove it to end it).
+    slowdown_when_file: str = _f("")
     fail_on_call: int = _f(0, min=0, max=1 << 40)  # 0 = never
     # From this call on, a sticky CUDA error (illegal address): the context is unusable.
     fault_on_call: int = _f(0, min=0, max=1 << 40)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -164,8 +165,10 @@ class FakeDevice(Device):
 
     # -- faults and state -------------------------------------------------------
     def _slowdown(self) -> float:
-        # On the device's own clock, so simulated time counts too.
-        active = self.clock() - self._start >= self.cfg.slowdown_after_s
+        if self.cfg.slowdown_when_file:  # while the file exists: whoever made it chose when
+            active = os.path.exists(self.cfg.slowdown_when_file)
+        else:  # on the device's own clock, so simulated time counts too
+            active = self.clock() - self._start >= self.cfg.slowdown_after_s
         return self.cfg.slowdown_factor if active else 1.0
 
     def _fault(self, util: float, spec: ProbeSpec) -> _Effect:
