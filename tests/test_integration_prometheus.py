@@ -245,10 +245,11 @@ def test_prometheus_evaluates_every_rule_and_dashboard_query_and_alerts_on_the_s
     wait_for(target_up, left(), "the gemmd target to be up", prom)
 
     # 2. The model is fitted and the drift references are all taken before GPU 1 slows
-    # down (the test starts it, whatever this machine's speed): otherwise gemmd would learn the slow card as its normal and
-    # nothing could alarm. No runtime alarm either: a probe recorded while a refit has
-    # swapped the model but not yet re-taken the drift references is judged against the old
-    # model's reference, which can raise a short spurious alarm; let it clear first.
+    # down (the test starts it, whatever this machine's speed): otherwise gemmd would
+    # learn the slow card as its normal and nothing could alarm. No runtime alarm either:
+    # a probe recorded while a refit has swapped the model but not yet re-taken the drift
+    # references is judged against the old model's reference, which can raise a short
+    # spurious alarm; let it clear first.
     m = wait_for(lambda: _settled(port), left(), "a fitted model, 10 runtime drift "
                  "references and no runtime drift alarm", daemon)
     settled_at = time.time()
