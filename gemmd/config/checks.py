@@ -300,10 +300,11 @@ def _check_config(cfg: Config, errs: _Errors) -> None:
                  f"{cfg.budget.duty_cycle} x schedule.probe_interval_s "
                  f"{cfg.schedule.probe_interval_s:g} = {budget:g} s per round, less than one "
                  f"probe (probes.measure.warmup_s + window_s = {one:g} s)")
-    for i, d in enumerate(cfg.fake.devices):
-        if d.slowdown_when_file and path_problem(d.slowdown_when_file):
+    for i, fake in enumerate(cfg.fake.devices):
+        flag = fake.slowdown_when_file
+        if flag and path_problem(flag):
             errs.add(f"fake.devices[{i}].slowdown_when_file",
-                     f"{_short(d.slowdown_when_file)}: {path_problem(d.slowdown_when_file)}")
+                     f"{_short(flag)}: {path_problem(flag)}")
     if cfg.backend == "fake" and not cfg.fake.devices:
         errs.add("fake.devices", "backend fake needs at least one device")
     least = MIN_WINDOW_S.get(cfg.backend)
