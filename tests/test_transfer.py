@@ -13,10 +13,11 @@ from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
 from gemmd.model.domain import TRANSFER_GRID
+from gemmd.model.offsets import LEVEL_N0_DEFAULT, _robust_offsets, level_n0
 from gemmd.model.persistence import MODEL_FORMAT
 from gemmd.model.space import LAUNCH_S
-from gemmd.model.transfer import BLEND_WEIGHTS, CHOICES, _fit_trees, _select
-from gemmd.model.validation import LEVEL_N0_GRID
+from gemmd.model.transfer import BLEND_WEIGHTS, CHOICES, _fit_trees, _select, min_cv_rows
+from gemmd.model.validation import CAL_PROBES, LEVEL_N0_GRID, _validate_calibration
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
 H100 = datasets.KNOWN_GPUS["h100-sxm"]
@@ -378,3 +379,61 @@ def test_a_blend_moves_from_the_calibrated_prior_toward_the_trees(prior):
     expect = 0.75 * np.log(pts["calibrated"]["point"]) + 0.25 * np.log(pts["few"]["point"])
     assert np.allclose(np.log(pts["blend"]["point"]), expect)
     assert (pts["blend"]["lo"] < pts["blend"]["point"]).all()
+
+
+def test_a_kernel_the_prior_never_saw_is_calibrated_by_its_own_probes(fleet):
+    """A new GPU whose probes include a kernel no GPU of the prior ran (30x slower than
+    the roofline estimate): its offset is that kernel's own, as uncertain as a kernel can
+    be, not the level's validated pseudo-count, and its probes are not outliers of the
+    others (before: the offset stayed near 0 and the kernel's rows 95% too fast)."""
+    blas = rows(H100, 20, 80, 0.45, ("bf16",))
+    slow = rows(H100, 3, 81, 0.45 / 30, ("fp32",), kernel="tiled")
+    tm = TransferModel.fit(fleet, features.concat([blas, slow]), CFG, select=False)
+    cal = tm.calibrations[H100.uuid]
+    assert cal.groups["runtime"]["fp32/tiled"] > 0.7 * np.log(30 * 0.7 / 0.45)
+    test = rows(H100, 60, 82, 0.45 / 30, ("fp32",), kernel="tiled")
+    assert mape(tm.predict_table(test), test) < 0.6
+    # the known kernel's level is not pulled by them
+    assert abs(cal.groups["runtime"]["bf16/blas"]) < 0.3
+
+
+def test_the_level_worth_is_validated_per_number_of_probes():
+    """Leave-one-GPU-out judges the prior's level's worth per number of probes, and at
+    none may the probes make a held-out GPU worse than no calibration: one GPU whose
+    level is off (probes help) and one right on average but heavy-tailed (a few probes'
+    level is noise)."""
+    rng = np.random.default_rng(0)
+    off = (0.6 + rng.normal(0, 0.1, 400), np.array(["bf16/blas"] * 400, dtype=object))
+    heavy = (rng.standard_t(2, 400) * 0.35, np.array(["bf16/blas"] * 400, dtype=object))
+    n0s, gain = _validate_calibration([off, heavy], 0.3, 0)
+    assert set(n0s) == {str(n) for n in CAL_PROBES} and set(n0s.values()) <= set(LEVEL_N0_GRID)
+    for n, r in ((5, heavy[0]), (5, off[0]), (50, heavy[0])):
+        tau = 0.3 / np.sqrt(n0s[str(n)])
+        draws = np.random.default_rng(1)
+        errs = []
+        for _ in range(200):
+            idx = draws.choice(len(r), n, replace=False)
+            b, _ = _robust_offsets(r[idx], np.zeros(n, dtype=np.int64), 1, 0.3, tau,
+                                   np.array([tau]))
+            errs.append(np.mean(np.abs(np.expm1(b - r))))
+        assert np.mean(errs) <= 1.02 * np.mean(np.abs(np.expm1(-r))), n
+    assert all(g <= 1.0 for g in gain.values())
+    # served per number of probes: interpolated in log-log between those judged
+    rec = {"level_n0": 4.0, "level_n0_by_n": {"5": 32.0, "50": 2.0}}
+    assert level_n0(rec, 3) == level_n0(rec, 5) == pytest.approx(32.0)
+    assert level_n0(rec, 500) == pytest.approx(2.0)
+    assert level_n0(rec, np.sqrt(250)) == pytest.approx(8.0)
+    assert level_n0({"level_n0": 4.0}, 20) == 4.0  # a model saved before: its one value
+    assert level_n0({}, 20) == LEVEL_N0_DEFAULT
+
+
+def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior):
+    """Fewer out-of-fold errors than the nominal share needs (9 at 90%) cannot say how
+    wide an interval must be: one wild probe among five left the calibrated interval 4x
+    wider before; the posterior interval stands. From 9 they do."""
+    assert min_cv_rows(0.9) == 9 and min_cv_rows(0.8) == 4
+    probes = rows(H100, 6, 83, 0.45)
+    probes.cols["runtime_s"][0] *= 8
+    tm = TransferModel.fit(prior, probes, CFG)
+    assert tm.cv_scale["runtime"] == 1.0
+    assert all(r["scale"] == 1.0 for r in tm.meta["transfer"]["cv"]["runtime"].values())

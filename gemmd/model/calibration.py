@@ -16,13 +16,13 @@ from gemmd.model.domain import OOD_SD, _log2_sizes
 from gemmd.model.forest import ForestModel
 from gemmd.model.offsets import (
     GROUP_SD_KNOWN,
-    LEVEL_N0_DEFAULT,
     LEVEL_SD_KNOWN,
     RESID_DOF0,
     RESID_SD0,
     DeviceCalibration,
     _groups,
     _robust_offsets,
+    level_n0,
 )
 from gemmd.model.repeats import shape_hashes
 
@@ -30,15 +30,15 @@ MIN_PROBES_IN_DOMAIN = 3  # probes of a dtype/kernel that make a device's predic
 LEVEL_SD_FLOOR = 0.02  # a validated level spread is never taken below this
 
 
-def _unknown_priors(prior: ForestModel, target: str) -> tuple[float, float]:
-    """(level spread, scatter after the level) on a GPU model ``prior`` never saw: the
-    scatter as leave-one-GPU-out measured it on the training data (else RESID_SD0), the
-    level's spread that scatter over the square root of the pseudo-count that validation
-    chose (else LEVEL_N0_DEFAULT): the prior's level counts as that many probes."""
+def _unknown_priors(prior: ForestModel, target: str, probes: float) -> tuple[float, float]:
+    """(level spread, scatter after the level) on a GPU model ``prior`` never saw, for a
+    calibration on ``probes`` probes: the scatter as leave-one-GPU-out measured it on the
+    training data (else RESID_SD0), the level's spread that scatter over the square root
+    of the pseudo-count that validation chose for that many probes (level_n0; else
+    LEVEL_N0_DEFAULT): the prior's level counts as that many probes."""
     rec = (prior.meta.get("logo") or {}).get(target) or {}
     s0 = float(rec.get("shape_sd", RESID_SD0)) or RESID_SD0
-    n0 = float(rec.get("level_n0", LEVEL_N0_DEFAULT))
-    return max(s0 / math.sqrt(n0), LEVEL_SD_FLOOR), s0
+    return max(s0 / math.sqrt(level_n0(rec, probes)), LEVEL_SD_FLOOR), s0
 
 
 def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
@@ -76,18 +76,22 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             tau_o = OOD_SD.get(target, OOD_SD["runtime"])
             e, g = r[ok], g_all[ok]
             if unknown:
-                tau_b, s0 = _unknown_priors(prior, target)
+                n_shapes = len(np.unique(shape_ids[sel][ok]))
+                tau_b, s0 = _unknown_priors(prior, target, n_shapes)
             else:
                 tau_b = LEVEL_SD_KNOWN
                 s0 = max(float(np.median(sd_in[sel][ok])), 0.02)
             names, gi = np.unique(g.astype(str), return_inverse=True)
-            # a dtype/kernel's offset on top of the level: on a GPU model the prior never
-            # saw, as uncertain as the level (validation judged them together, with the
-            # same pseudo-count); on a known one, GROUP_SD_KNOWN where the prior knows the
-            # pair there, else as a kernel or a dtype outside the domain
-            tau_g = np.array([min(tau_b, tau_o["dtype"]) if unknown else
-                              GROUP_SD_KNOWN if name in known_pairs else
-                              tau_o["kernel"] if name.split("/")[1] not in known_kernels
+            # a dtype/kernel's offset on top of the level: a kernel the prior never saw
+            # as far off as such a kernel can be (OOD_SD's "kernel": no validation judged
+            # the prior's level for it, and the level's pseudo-count was chosen on GPUs
+            # whose kernels the prior knew); else on a GPU model the prior never saw, as
+            # uncertain as the level (validation judged them together, with the same
+            # pseudo-count); on a known one, GROUP_SD_KNOWN where the prior knows the pair
+            # there, else as a dtype outside the domain
+            tau_g = np.array([tau_o["kernel"] if name.split("/")[1] not in known_kernels
+                              else min(tau_b, tau_o["dtype"]) if unknown else
+                              GROUP_SD_KNOWN if name in known_pairs
                               else tau_o["dtype"] for name in names])
             n_g = np.bincount(gi, minlength=len(names)).astype(float)
             sid = np.unique(shape_ids[sel][ok], return_inverse=True)[1].ravel()

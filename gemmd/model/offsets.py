@@ -5,6 +5,7 @@ fit-time validation both compute."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,20 @@ RESID_DOF0 = 3.0  # the weight of that guess, in probes
 # Without leave-one-GPU-out evidence, the prior's level counts as this many probes on a
 # GPU it never saw: RESID_SD0 / sqrt(0.36) = 0.5 = OOD_SD's "gpu", as before.
 LEVEL_N0_DEFAULT = 0.36
+
+
+def level_n0(rec: Mapping[str, Any], probes: float) -> float:
+    """The prior's level's worth in probes, on a GPU model it never saw, for a
+    calibration on ``probes`` probes: leave-one-GPU-out's choice at that many
+    (interpolated in log-log between the counts it judged, the nearest beyond them);
+    LEVEL_N0_DEFAULT without that evidence."""
+    by_n = rec.get("level_n0_by_n") or {}
+    if not by_n:
+        return float(rec.get("level_n0", LEVEL_N0_DEFAULT))
+    ns = sorted((float(k), float(v)) for k, v in by_n.items())
+    x = math.log(max(probes, 1.0))
+    return float(math.exp(np.interp(x, [math.log(k) for k, _ in ns],
+                                    [math.log(v) for _, v in ns])))
 
 
 @dataclass
@@ -89,5 +104,8 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
         r = e - b - cg[gi]
         mad = 1.4826 * float(np.median(np.abs(r)))
         scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
-        w = np.minimum(1.0, k * scale / np.maximum(np.abs(r), 1e-12))
+        # a group expected to scatter more than the others (a kernel the prior never
+        # saw) is judged against its own scatter: its probes are not outliers of the rest
+        rs = np.where(s0_g[gi] > s0, np.maximum(scale, s0_g[gi]), scale)
+        w = np.minimum(1.0, k * rs / np.maximum(np.abs(r), 1e-12))
     return b, cg
