@@ -11,10 +11,10 @@ import zipfile
 
 import numpy as np
 import pytest
+from test_model import _rows  # the same probe rows test_model fits on
 
 from gemmd import features
-from gemmd.config import FakeDeviceConfig, MeasureConfig, ModelConfig
-from gemmd.devices.base import measure
+from gemmd.config import FakeDeviceConfig, ModelConfig
 from gemmd.devices.fake import FakeDevice
 from gemmd.errors import ModelError
 from gemmd.features import Table
@@ -23,25 +23,8 @@ from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel
 from gemmd.model.flat import ARRAYS, _FlatForest
 from gemmd.model.persistence import FLAT_HEAD, write_flat
-from gemmd.records import as_row
 from gemmd.registry import ModelRegistry
 from gemmd.store import Store
-
-SIZES = (512, 768, 1024, 1536, 2048, 3072, 4096)
-
-
-def _rows(dev, n, seed=0, ts=1000.0):
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        spec = ProbeSpec(*(int(x) for x in rng.choice(SIZES, 3)),
-                         dtype=str(rng.choice(["bf16", "fp32"])))
-        r = as_row(measure(dev, spec, MeasureConfig(window_s=0.2, warmup_s=0.0)))
-        r.update(device_uuid=dev.info.uuid, device_index=0, device_name=dev.info.name,
-                 backend="fake", source="daemon", kind="exploration", outcome="ok",
-                 ts=ts + i)
-        rows.append(r)
-    return rows
 
 
 @pytest.fixture(scope="module")
