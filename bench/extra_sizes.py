@@ -67,6 +67,8 @@ def main() -> int:
             total += mib
             print(f"| {pin} | {mib:,.1f} |")
         print(f"| **{extra} in all** | **{total:,.1f}** |\n")
+    if args.also:
+        print("| `[ctk]` only: wheel | MiB unpacked |\n|---|---:|")
     for pin in args.also:
         print(f"| {pin} (not in the lock) | {unpacked_mib(wheel_of(pin, args.cache)):,.1f} |")
     return 0
