@@ -130,6 +130,12 @@ def is_flat(path: str | Path) -> bool:
         return False
 
 
+def _member(name: str) -> zipfile.ZipInfo:
+    """A member dated 1980-01-01, not now: the same model gives the same bytes (and
+    sha256) whenever it is written."""
+    return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+
+
 def write_flat(path: str | Path, forests: Mapping[str, _FlatForest], sigma: dict[str, float],
                z: float, meta: dict[str, Any]) -> None:
     """Write a flat model file at ``path`` (uncompressed: check_archive's bound on what a
@@ -139,10 +145,10 @@ def write_flat(path: str | Path, forests: Mapping[str, _FlatForest], sigma: dict
                         for t, f in forests.items()},
             "sigma": sigma, "z": z, "meta": meta}
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr(FLAT_HEAD, json.dumps(head))
+        zf.writestr(_member(FLAT_HEAD), json.dumps(head))
         for target, flat in forests.items():
             for name, arr in flat.arrays().items():
-                with zf.open(f"{target}/{name}.npy", "w",
+                with zf.open(_member(f"{target}/{name}.npy"), "w",
                              force_zip64=arr.nbytes > (1 << 30)) as f:
                     np.lib.format.write_array(f, arr, allow_pickle=False)
 
