@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
 from gemmd.model.domain import TRANSFER_GRID
-from gemmd.model.offsets import LEVEL_N0_DEFAULT, _robust_offsets, level_n0
+from gemmd.model.offsets import LEVEL_N0_DEFAULT, _robust_offsets, interval_scale, level_n0
 from gemmd.model.persistence import MODEL_FORMAT
 from gemmd.model.space import LAUNCH_S
 from gemmd.model.transfer import BLEND_WEIGHTS, CHOICES, _fit_trees, _select, min_cv_rows
@@ -405,7 +407,7 @@ def test_the_level_worth_is_validated_per_number_of_probes():
     rng = np.random.default_rng(0)
     off = (0.6 + rng.normal(0, 0.1, 400), np.array(["bf16/blas"] * 400, dtype=object))
     heavy = (rng.standard_t(2, 400) * 0.35, np.array(["bf16/blas"] * 400, dtype=object))
-    n0s, gain = _validate_calibration([off, heavy], 0.3, 0)
+    n0s, gain, _ = _validate_calibration([off, heavy], 0.3, 0)
     assert set(n0s) == {str(n) for n in CAL_PROBES} and set(n0s.values()) <= set(LEVEL_N0_GRID)
     for n, r in ((5, heavy[0]), (5, off[0]), (50, heavy[0])):
         tau = 0.3 / np.sqrt(n0s[str(n)])
@@ -437,3 +439,35 @@ def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior):
     tm = TransferModel.fit(prior, probes, CFG)
     assert tm.cv_scale["runtime"] == 1.0
     assert all(r["scale"] == 1.0 for r in tm.meta["transfer"]["cv"]["runtime"].values())
+
+
+def test_the_calibrated_interval_is_scaled_as_leave_one_gpu_out_found(fleet):
+    """The calibrated prior's posterior interval on a new GPU is scaled by what
+    leave-one-GPU-out's simulated calibrations needed to hold the nominal share, per
+    number of probes (before: the posterior as it came, 95-96% of the shared data's B200
+    and MI355X rows inside the 90% interval at 5 probes): narrower where the held-out
+    GPUs scatter less than the prior's guess, wider where they scatter more than a few
+    probes can show."""
+    rng = np.random.default_rng(0)
+    g = np.array(["bf16/blas"] * 400, dtype=object)
+    calm = [(0.4 + rng.normal(0, 0.05, 400), g), (-0.3 + rng.normal(0, 0.05, 400), g)]
+    wild = [(0.4 + rng.standard_t(2, 400) * 0.5, g), (rng.standard_t(2, 400) * 0.5, g)]
+    _, _, narrow = _validate_calibration(calm, 0.3, 0)
+    _, _, wide = _validate_calibration(wild, 0.3, 0)
+    assert set(narrow) == {str(n) for n in CAL_PROBES}
+    assert all(v < 0.9 for v in narrow.values())
+    assert wide["5"] > 1.1  # (from more probes the posterior's own scatter learns it)
+    # served: the factor at the number of probes (interpolated), not on a known GPU
+    assert interval_scale({"interval_scale_by_n": {"5": 0.8, "50": 1.2}}, 5) == 0.8
+    assert interval_scale({}, 5) == 1.0
+    probes, test = rows(H100, 5, 90, 0.45), rows(H100, 200, 91, 0.45)
+    half = {}
+    for s in (None, 0.8):
+        m = ForestModel(fleet.forests, fleet.sigma, fleet.z, copy.deepcopy(fleet.meta))
+        rec = m.meta["logo"]["runtime"]
+        rec.pop("interval_scale_by_n", None)
+        if s is not None:
+            rec["interval_scale_by_n"] = {"5": s, "20": s, "50": s}
+        r = TransferModel.fit(m, probes, CFG, select=False).predict_table(test)["runtime"]
+        half[s] = np.log(r["hi"] / r["point"])
+    assert np.allclose(half[0.8], 0.8 * half[None], rtol=1e-6)

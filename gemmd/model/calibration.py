@@ -22,6 +22,7 @@ from gemmd.model.offsets import (
     DeviceCalibration,
     _groups,
     _robust_offsets,
+    interval_scale,
     level_n0,
 )
 from gemmd.model.repeats import shape_hashes
@@ -78,6 +79,8 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             if unknown:
                 n_shapes = len(np.unique(shape_ids[sel][ok]))
                 tau_b, s0 = _unknown_priors(prior, target, n_shapes)
+                cal.scale[target] = interval_scale(
+                    (prior.meta.get("logo") or {}).get(target) or {}, n_shapes)
             else:
                 tau_b = LEVEL_SD_KNOWN
                 s0 = max(float(np.median(sd_in[sel][ok])), 0.02)

@@ -41,6 +41,18 @@ def level_n0(rec: Mapping[str, Any], probes: float) -> float:
                                     [math.log(v) for _, v in ns])))
 
 
+def interval_scale(rec: Mapping[str, Any], probes: float) -> float:
+    """The factor on a calibration's interval on a GPU model the prior never saw, for
+    ``probes`` probes: leave-one-GPU-out's at that many (interpolated as level_n0); 1
+    without that evidence."""
+    by_n = rec.get("interval_scale_by_n") or {}
+    if not by_n:
+        return 1.0
+    ns = sorted((float(k), float(v)) for k, v in by_n.items())
+    return float(np.interp(math.log(max(probes, 1.0)), [math.log(k) for k, _ in ns],
+                           [v for _, v in ns]))
+
+
 @dataclass
 class DeviceCalibration:
     """How one device departs from the prior, from its probes (log space, per target)."""
@@ -59,6 +71,10 @@ class DeviceCalibration:
     # per target and group of a kernel the prior never saw: that group's own scatter
     # (its efficiency may vary with size as no other kernel's does)
     group_scatter: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per target, on a GPU model the prior never saw: the factor on the interval that
+    # leave-one-GPU-out's simulated calibrations found to hold the nominal share
+    # (interval_scale; not on a kernel the prior never saw, which they did not judge)
+    scale: dict[str, float] = field(default_factory=dict)
 
     def offset(self, target: str, group: str) -> float:
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)
@@ -74,7 +90,8 @@ class DeviceCalibration:
         tau = self.group_sd.get(target, {}).get(group)
         if tau is None:  # a group neither the prior nor the probes saw
             tau = OOD_SD.get(target, OOD_SD["runtime"])["dtype"]
-        return var + (tau**2 if n_g == 0 else s2 / (n_g + s2 / max(tau, 1e-6) ** 2))
+        var += tau**2 if n_g == 0 else s2 / (n_g + s2 / max(tau, 1e-6) ** 2)
+        return var if own is not None else var * self.scale.get(target, 1.0) ** 2
 
 
 def _groups(t: Table) -> np.ndarray:

@@ -32,7 +32,13 @@ from gemmd.model.intervals import (
     _weighted_conformal_quantile,
     conformal_quantile,
 )
-from gemmd.model.offsets import LEVEL_N0_DEFAULT, RESID_SD0, _groups, _robust_offsets
+from gemmd.model.offsets import (
+    LEVEL_N0_DEFAULT,
+    RESID_DOF0,
+    RESID_SD0,
+    _groups,
+    _robust_offsets,
+)
 from gemmd.model.space import runtime_reference, to_model_space
 
 VALIDATION_TREES = 20  # trees of each forest fitted to validate (leave-one-GPU-out, sizes)
@@ -252,8 +258,9 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
     gpu_sd = _weighted_conformal_quantile(np.concatenate(needs), np.concatenate(weights),
                                           cfg.interval)
     shape_sd = float(np.median(spreads)) or RESID_SD0
-    n0s, gain = _validate_calibration([(yt - cands[best], g) for (yt, cands, _, _), g
-                                       in zip(folds, fold_groups)], shape_sd, cfg.seed)
+    n0s, gain, cal_scale = _validate_calibration(
+        [(yt - cands[best], g) for (yt, cands, _, _), g in zip(folds, fold_groups)],
+        shape_sd, cfg.seed, cfg.interval)
     return {"w": best[0], "a": best[1], "gpus": gpus,
             "scores": {f"{w:g},{a:g}": v for (w, a), v in ratio.items()},
             "mape": dict(zip(gpus, err[best])),
@@ -261,7 +268,8 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
             "level_sd": float(np.sqrt(np.mean(np.square(levels)))),
             "shape_sd": shape_sd, "gpu_sd": float(np.clip(gpu_sd, 0.02, 3.0)),
             "level_n0": n0s.get(str(CAL_PROBES[0]), LEVEL_N0_DEFAULT),
-            "level_n0_by_n": n0s, "calibration_gain": gain}
+            "level_n0_by_n": n0s, "calibration_gain": gain,
+            "interval_scale_by_n": cal_scale}
 
 
 # How many probes' worth the prior's level counts for against a new GPU's own
@@ -280,18 +288,26 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
 LEVEL_N0_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 CAL_PROBES = (5, 20, 50)
 CAL_DRAWS = 20
+CAL_SCALE_MIN, CAL_SCALE_MAX = 0.5, 2.0  # the validated interval scale, within these
 
 
 def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: float,
-                          seed: int) -> tuple[dict[str, float], dict[str, float]]:
+                          seed: int, interval: float = 0.9
+                          ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """({probes: the chosen pseudo-count of LEVEL_N0_GRID}, {probes: mean error relative
-    to none at that choice}) from each held-out GPU's log residuals (measured minus
-    predicted, as carried over) and dtype/kernel group per row: calibrate's level and
-    group offsets, each with that pseudo-count, on random rows of the GPU, judged on all
-    of its rows. Empty where no GPU has 2 x the probes."""
+    to none at that choice}, {probes: the interval scale at that choice}) from each
+    held-out GPU's log residuals (measured minus predicted, as carried over) and
+    dtype/kernel group per row: calibrate's level and group offsets, each with that
+    pseudo-count, on random rows of the GPU, judged on all of its rows; the scale is what
+    the calibrated prior's posterior interval (DeviceCalibration.variance, Student-t)
+    needs to hold the nominal share of those rows (_calibration_scale). Empty where no
+    GPU has 2 x the probes."""
     rng = np.random.default_rng(seed)
     # probes -> pseudo-count -> per held-out GPU, mean error relative to none
     ratio: dict[int, dict[float, list[float]]] = {
+        n: {n0: [] for n0 in LEVEL_N0_GRID} for n in CAL_PROBES}
+    # probes -> pseudo-count -> per held-out GPU, what each row's interval must be scaled by
+    needs: dict[int, dict[float, list[np.ndarray]]] = {
         n: {n0: [] for n0 in LEVEL_N0_GRID} for n in CAL_PROBES}
     for r, groups in resid:
         ok = np.isfinite(r)
@@ -306,7 +322,7 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
             draws = [rng.choice(len(r), n, replace=False) for _ in range(CAL_DRAWS)]
             for n0 in LEVEL_N0_GRID:
                 tau = s0 / math.sqrt(n0)
-                errs = []
+                errs, need = [], []
                 for idx in draws:
                     present, gi = np.unique(g_all[idx], return_inverse=True)
                     b, cg = _robust_offsets(r[idx], gi.ravel(), len(present), s0, tau,
@@ -314,9 +330,13 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
                     shift = np.full(len(names_all), b)
                     shift[present] += cg
                     errs.append(float(np.mean(np.abs(np.expm1(shift[g_all] - r)))))
+                    need.append(_calibration_need(r, g_all, idx, b + cg[gi.ravel()], shift,
+                                                  s0, tau, interval))
                 ratio[n][n0].append(float(np.mean(errs)) / base)
+                needs[n][n0].append(np.concatenate(need))
     chosen: dict[str, float] = {}
     gain: dict[str, float] = {}
+    scale: dict[str, float] = {}
     for n, per in ratio.items():
         if not per[LEVEL_N0_GRID[0]]:
             continue
@@ -325,5 +345,38 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
         best = min(safe, key=lambda n0: (round(mean[n0], 4), -n0)) if safe else \
             min(LEVEL_N0_GRID, key=lambda n0: (round(max(per[n0]), 4), -n0))
         chosen[str(n)], gain[str(n)] = best, mean[best]
-    return chosen, gain
+        scale[str(n)] = _calibration_scale(needs[n][best], interval)
+    return chosen, gain, scale
 
+
+
+def _calibration_need(r: np.ndarray, g_all: np.ndarray, idx: np.ndarray, fit: np.ndarray,
+                      shift: np.ndarray, s0: float, tau: float, interval: float
+                      ) -> np.ndarray:
+    """Per row of a held-out GPU: its distance from the calibration on the rows ``idx``
+    (offsets ``shift`` per group; ``fit`` at the probes) over the half-width of the
+    interval calibrate gives it (DeviceCalibration.variance: the scatter after the
+    offsets, a Student-t on RESID_DOF0 + probes - 1 degrees of freedom, the offsets'
+    uncertainty, a group's prior spread where no probe covers it)."""
+    from scipy.stats import t as student_t
+
+    n = len(idx)
+    dof = RESID_DOF0 + max(n - 1, 0)
+    s2 = (RESID_DOF0 * s0**2 + float(np.sum((r[idx] - fit) ** 2))) / dof
+    n_g = np.bincount(g_all[idx], minlength=len(shift))[g_all].astype(float)
+    var = s2 * (1.0 + 1.0 / (n + s0**2 / tau**2)) + np.where(
+        n_g == 0, tau**2, s2 / (n_g + s2 / tau**2))
+    half = float(student_t.ppf(0.5 + interval / 2, dof)) * np.sqrt(var)
+    return np.abs(r - shift[g_all]) / half
+
+
+def _calibration_scale(per_gpu: Sequence[np.ndarray], interval: float) -> float:
+    """The factor on the calibrated prior's interval that holds the nominal share of the
+    held-out GPUs' rows, each GPU weighted alike (as the "gpu" widening is measured),
+    within CAL_SCALE_MIN and CAL_SCALE_MAX. Where the probes can judge their own interval
+    (TransferModel's cross-validation, from 9 out-of-fold errors at 90%) they take over:
+    it rescales the interval as served, this factor included."""
+    q = _weighted_conformal_quantile(
+        np.concatenate(per_gpu), np.concatenate([np.full(len(x), 1.0 / len(x))
+                                                 for x in per_gpu]), interval)
+    return float(np.clip(q, CAL_SCALE_MIN, CAL_SCALE_MAX))
