@@ -349,7 +349,6 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
     return chosen, gain, scale
 
 
-
 def _calibration_need(r: np.ndarray, g_all: np.ndarray, idx: np.ndarray, fit: np.ndarray,
                       shift: np.ndarray, s0: float, tau: float, interval: float
                       ) -> np.ndarray:
