@@ -41,15 +41,15 @@ def unpacked_mib(wheel: Path) -> float:
 
 def wheel_of(pin: str, cache: Path) -> Path:
     name, version = pin.split("==")
-    stem = re.sub(r"[-_.]+", "_", name).lower()
-    found = [w for w in cache.glob("*.whl")
-             if w.name.lower().startswith(f"{stem}-{version}-")]
-    if not found:
+    prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"
+
+    def cached() -> list[Path]:
+        return [w for w in cache.glob("*.whl") if w.name.lower().startswith(prefix)]
+
+    if not cached():
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                         "--only-binary=:all:", "-d", str(cache), pin], check=True)
-        found = [w for w in cache.glob("*.whl")
-                 if w.name.lower().startswith(f"{stem}-{version}-")]
-    return found[0]
+    return cached()[0]
 
 
 def main() -> int:
