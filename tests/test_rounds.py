@@ -337,7 +337,17 @@ def test_drift_arms_on_every_target_before_any_model_and_says_so(env):
         runner.run_round()
     assert runner.registry.current.kind == "roofline"
     targets = state.drift.devices[dev.info.uuid].targets
-    assert all(targets[t].armed() for t in ("runtime", "power", "energy"))
+    # Said in full when it fails (it failed once in a loaded run, issue 20): per target
+    # whether the pooled statistic is armed and how many results each probe's track
+    # learnt; per stored sentinel its energy method (only "steps" feeds power/energy).
+    seen = {t: (targets[t].armed() if t in targets else None,
+                sorted(len(tr.baseline) for (u, _, tt), tr in state.drift.tracks.items()
+                       if u == dev.info.uuid and tt == t))
+            for t in ("runtime", "power", "energy")}
+    methods = [(r["dtype"], r["m"], r["outcome"], r["model_version"],
+                (r["context"] or {}).get("after", {}).get("energy_method"))
+               for r in store.probes(outcome=None) if r["kind"] == "sentinel"]
+    assert all(armed for armed, _ in seen.values()), (seen, methods)
     reg = assemble(state, process=False)
     for t in ("runtime", "power", "energy"):
         assert reg.get_sample_value("gemmd_device_drift_armed", {**lab, "target": t}) == 1
