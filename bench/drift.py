@@ -719,8 +719,9 @@ def peers(hosts: int, rounds: int, seed: int, noise: float = 0.02, spread: float
 
 def measure_plan(out: Path, seconds: float) -> int:
     """On a GPU: each candidate sentinel at windows 0.1-1 s and warm-ups 0.02 / 0.1 s,
-    repeated (idle 2 s between rounds) until ``seconds`` pass: elapsed device time, the
-    runtime, power and energy of each measurement (plan_cost.csv)."""
+    repeated (idle 2 s between rounds) until ``seconds`` pass: elapsed device time and
+    its phases (buffers, warm-up, before and after the window, the check), the runtime,
+    power and energy of each measurement (plan_cost.csv)."""
     from gemmd.config import Config
     from gemmd.devices import open_devices
     from gemmd.devices.base import measure
@@ -761,6 +762,9 @@ def measure_plan(out: Path, seconds: float) -> int:
                            "temperature_c": a.get("temperature_c"),
                            "clock_event_reasons": "|".join(a.get("clock_event_reasons") or []),
                            "power_limit_w": a.get("power_limit_w"),
+                           # where the time beyond the window went (the plan's overhead)
+                           **{f"phase_{k}": v for k, v in
+                              (m.context.get("phases") or {}).items()},
                            "t": time.monotonic() - t_start}
                     if w is None:
                         w = csv.DictWriter(f, fieldnames=list(row))

@@ -279,6 +279,7 @@ def measure_row(dev: Any, spec: Any, cfg: Any) -> dict[str, Any]:
             "temperature_c": after.get("temperature_c"), "pstate": after.get("pstate"),
             "power_limit_w": after.get("power_limit_w"),
             "clock_event_reasons": "|".join(after.get("clock_event_reasons") or []),
+            **{f"phase_{k}": v for k, v in (m.context.get("phases") or {}).items()},
             "t_end": time.monotonic()}
 
 

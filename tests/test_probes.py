@@ -228,6 +228,12 @@ def test_measure_on_fake_device(simulated_fake_clock):
     assert m.check_ok is True
     assert m.tflops == pytest.approx(spec.flops / m.runtime_s / 1e12)
     assert m.context["before"]["sm_clock_hz"] > 0 and "after" in m.context
+    # Where the device time went: the phases add up to the whole probe, the window is the
+    # measured one, and the warm-up took at least its configured device time.
+    ph = m.context["phases"]
+    assert sum(ph.values()) == pytest.approx(m.elapsed_s, rel=1e-9)
+    assert ph["window_s"] == m.window_s and ph["warmup_s"] >= cfg.warmup_s
+    assert all(v >= 0 for v in ph.values())
 
 
 def test_measure_min_iters_for_slow_probe():

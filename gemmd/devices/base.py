@@ -237,6 +237,7 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     cancel = cancel or threading.Event()
     started = device.clock()
     device.prepare(spec)
+    prepared = device.clock()
     # Warm-up: at least warmup_iters and warmup_s of device time; its median sizes the window.
     # Batches double so that a microsecond GEMM does not cost thousands of host round trips.
     warm: list[float] = []
@@ -248,6 +249,7 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
             raise ProbeCancelled(spec.name)
     iters = iterations_for_window(float(np.median(warm)), cfg.window_s, cfg.min_iters,
                                   cfg.max_iters)
+    warmed = device.clock()
     ctx_before = device.context()
     run = device.run_observed(spec, iters, cancel)
     power_sample = device.power_w()
@@ -271,7 +273,15 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
                     runtime_s=st["runtime_s"], runtime_mean_s=st["runtime_mean_s"],
                     runtime_min_s=st["runtime_min_s"], runtime_p90_s=st["runtime_p90_s"],
                     runtime_cv=st["runtime_cv"])
+    before_check = device.clock()
     if check:
         m.check_ok, m.check_error = device.check(spec)
     m.elapsed_s = max(0.0, device.clock() - started)
+    # Where the probe's device time went beyond its window (device clock, seconds): what a
+    # plan's cost is made of (bench/drift.py --measure-plan).
+    m.context["phases"] = {
+        "prepare_s": prepared - started, "warmup_s": warmed - prepared,
+        "before_window_s": run.t0 - warmed, "window_s": window,
+        "after_window_s": before_check - run.t1,
+        "check_s": started + m.elapsed_s - before_check}
     return m
