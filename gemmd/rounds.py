@@ -96,11 +96,15 @@ def device_label(info: Any) -> str:
 class DeviceRunner:
     def __init__(self, device: Device, cfg: Config, store: Store, state: State,
                  registry: ModelRegistry, cancel: threading.Event | None = None,
-                 budget_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+                 budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 rng: np.random.Generator | None = None):
         """``budget_s``: probe seconds a round may spend; by default the duty-cycle budget
         (``duty_cycle x probe_interval_s``); ``math.inf`` runs every probe (gemmd probe).
         ``clock``: the host's monotonic clock, on which the budget and the busy wait are
-        counted (tests inject their own rather than depend on the machine's speed)."""
+        counted (tests inject their own rather than depend on the machine's speed).
+        ``rng``: draws the exploration probes; by default from the OS's entropy, so that
+        the hosts of a fleet explore different shapes (tests pass a seeded one: the shapes
+        explored move every later probe's windows against the energy counter's steps)."""
         self.device = device
         self._clock = clock
         self.label = device_label(device.info)
@@ -117,7 +121,7 @@ class DeviceRunner:
         state.add_device(device.info)
         with state.lock:
             state.devices[device.info.uuid].plan_size = len(self.plan)
-        self._rng = np.random.default_rng()
+        self._rng = rng if rng is not None else np.random.default_rng()
         self._checks: Counter = Counter()
         self._round_lock = threading.Lock()
         self._offset = 0  # where the next round starts in its cycle of probes
