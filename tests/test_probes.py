@@ -252,3 +252,17 @@ def test_measure_cancelled():
 def test_measure_unsupported_raises():
     with pytest.raises(UnsupportedProbe):
         measure(fake("A100-SXM"), ProbeSpec(1024, 1024, 1024, "fp8"), MeasureConfig())
+
+
+def test_the_warm_up_runs_no_more_gemms_than_it_needs(simulated_fake_clock):
+    """Warm-up batches double, but none runs more GEMMs than are still needed: a 21 ms
+    GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms (64 ms of device time, issue 23's plan
+    cost), a 25 us one up to twice the 20 ms asked for."""
+    dev = fake()
+    cfg = MeasureConfig(window_s=0.5, warmup_s=0.02, warmup_iters=2)
+    slow = measure(dev, ProbeSpec(8192, 8192, 8192, "fp32"), cfg)
+    assert slow.runtime_s > cfg.warmup_s
+    assert slow.context["phases"]["warmup_s"] == pytest.approx(2 * slow.runtime_s, rel=0.05)
+    quick = measure(dev, ProbeSpec(256, 256, 256, "fp32"), cfg)
+    assert cfg.warmup_s <= quick.context["phases"]["warmup_s"] <= \
+        cfg.warmup_s + 3 * quick.runtime_s

@@ -239,14 +239,19 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     device.prepare(spec)
     prepared = device.clock()
     # Warm-up: at least warmup_iters and warmup_s of device time; its median sizes the window.
-    # Batches double so that a microsecond GEMM does not cost thousands of host round trips.
+    # Batches double so that a microsecond GEMM does not cost thousands of host round trips,
+    # but no batch runs more GEMMs than are still needed (at the median so far): a 22 ms
+    # GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms before, a third more device time.
     warm: list[float] = []
     batch = 1
     while len(warm) < cfg.warmup_iters or sum(warm) < cfg.warmup_s:
         warm.extend(device.run(spec, batch, cancel))
-        batch = min(batch * 2, cfg.max_iters)
         if cancel.is_set():
             raise ProbeCancelled(spec.name)
+        per = float(np.median(warm)) if warm else 0.0
+        by_time = math.ceil((cfg.warmup_s - sum(warm)) / per) if per > 0 else batch * 2
+        batch = max(1, min(batch * 2, cfg.max_iters,
+                           max(cfg.warmup_iters - len(warm), by_time)))
     iters = iterations_for_window(float(np.median(warm)), cfg.window_s, cfg.min_iters,
                                   cfg.max_iters)
     warmed = device.clock()
