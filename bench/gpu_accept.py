@@ -17,7 +17,8 @@ first, and SUMMARY.md says what was cut):
                      (target CV <= 2% at the default)
 4. noise.csv         every default sentinel over 20 rounds: CV, lag-1 autocorrelation, and
                      the shape of the distribution (noise_stats.csv: kurtosis, tails)
-5. round_cost.csv    energy and time of one default round, average power at the interval
+5. round_cost.csv    energy and time of one default round, average power at the interval;
+                     phases.csv: where each probe's time goes beyond its window, host reads
 6. slowdown.csv      SM clocks lowered ~5% then ~10% (else the power limit), the default plan
                      at each, restored; the rounds replayed through gemmd's drift detector
                      (slowdown_drift.csv)
@@ -1215,12 +1216,56 @@ def step_round_cost(ctx: Ctx) -> None:
                        fmt(r["avg_power_at_interval_w"], ".2f"),
                        fmt(r["added_power_at_interval_w"], ".2f"), pct(r["duty_cycle"]))
                       for r in rows]))
+    probe_phases(ctx, dev)
     whole = rows[-1]
     ctx.figure("round device time vs the duty-cycle budget", f"{whole['time_s']:.2f} s",
                f"<= {duty_s:.1f} s", whole["time_s"] <= duty_s)
     ctx.figure("average power a default round adds at the interval",
                fmt(whole["added_power_at_interval_w"], ".2f", " W"), "(reported)", None,
                counted=False)
+
+
+def probe_phases(ctx: Ctx, dev: Any) -> None:
+    """Where each default sentinel's device time goes beyond its window (step 4's rows,
+    median per phase), and what the host-side reads around a window cost (30 calls each):
+    the overhead that decides the default plan's cost (issue 23)."""
+    noise = [r for r in ctx.data.get("noise_rows") or [] if r.get("outcome") == "ok"]
+    rows: list[dict[str, Any]] = []
+    for name in dict.fromkeys(r["probe"] for r in noise):
+        rs = [r for r in noise if r["probe"] == name]
+        keys = [k for k in rs[0] if k.startswith("phase_")]
+        rows.append({"what": name, "n": len(rs), "elapsed_s": float(np.median(
+            [r["elapsed_s"] for r in rs])), **{k[6:]: float(np.median([r[k] for r in rs]))
+                                               for k in keys}})
+    calls: dict[str, Callable[[], Any]] = {
+        "energy_j": dev.energy_j, "power_w": dev.power_w, "context": dev.context,
+        "busy_reason": dev.busy_reason}
+    for name, fn in calls.items():
+        took = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as e:  # a figure, not a failure of the step
+                rows.append({"what": f"host call {name}", "error": f"{type(e).__name__}: {e}"})
+                break
+            took.append(time.perf_counter() - t0)
+        if took:
+            rows.append({"what": f"host call {name}", "n": len(took),
+                         "elapsed_s": float(np.median(took)), "max_s": max(took)})
+    ctx.write_csv("phases.csv", rows)
+    cols = ("prepare_s", "warmup_s", "before_window_s", "window_s", "after_window_s",
+            "check_s")
+    ctx.md("", "Where a default probe's device time goes (phases.csv, medians over step 4's "
+           "rounds, ms) and the host reads around a window:", "",
+           *md_table(("probe or call", "n", "elapsed", *(c[:-2] for c in cols), "max"),
+                     [(r["what"], r.get("n", "-"), fmt(_ms(r.get("elapsed_s")), ".2f"),
+                       *(fmt(_ms(r.get(c)), ".2f") for c in cols),
+                       fmt(_ms(r.get("max_s")), ".2f")) for r in rows]))
+
+
+def _ms(x: Any) -> float | None:
+    return None if x is None else 1e3 * float(x)
 
 
 # ------------------------------------------------------------------ 1. the machine
