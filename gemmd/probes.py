@@ -52,11 +52,13 @@ def build_plan(groups: Sequence[ProbeGroup], device: Device) -> tuple[list[Probe
 
 
 def exploration_specs(groups: Sequence[ExplorationConfig], device: Device,
-                      rng: np.random.Generator) -> list[ProbeSpec]:
-    """Random supported specs for this round from every group that applies to the device."""
+                      rng: np.random.Generator, round_no: int = 0) -> list[ProbeSpec]:
+    """Random supported specs for the device's round ``round_no`` (0, 1, ...) from every
+    group that applies to the device and explores in that round (``every_rounds``)."""
     out: list[ProbeSpec] = []
     for g in groups:
-        if not g.backends or device.info.backend in g.backends:
+        if (not g.backends or device.info.backend in g.backends) and \
+                round_no % g.every_rounds == 0:
             out.extend(_explore(g, device, rng))
     return out
 

@@ -125,6 +125,7 @@ class DeviceRunner:
         self._checks: Counter = Counter()
         self._round_lock = threading.Lock()
         self._offset = 0  # where the next round starts in its cycle of probes
+        self._rounds_run = 0  # rounds that probed (not skipped): when exploration runs
         self.last_skip: str | None = None  # why the last round was skipped (busy), if it was
         self.busy_skips = 0  # rounds skipped as busy in a row
         self._busy_since: float | None = None  # monotonic time of the first of them
@@ -194,7 +195,8 @@ class DeviceRunner:
             return []
         self._busy_since, self.busy_skips = None, 0
         todo = self._order(exploration_specs(self.cfg.probes.exploration, self.device,
-                                             self._rng))
+                                             self._rng, self._rounds_run))
+        self._rounds_run += 1
         budget = self.budget_s if self.budget_s is not None else \
             self.cfg.budget.duty_cycle * self.cfg.schedule.probe_interval_s
         used, results, failed, started = 0.0, _Results(self.on_result), "", 0

@@ -77,6 +77,27 @@ def test_round_runs_sentinels_then_exploration_and_stores_all(env):
     assert ds.context["sm_clock_hz"] > 0 and ds.up
 
 
+def test_exploration_runs_in_one_round_of_every_n(env):
+    """An exploration probe costs a GPU what a sentinel does (~0.6 s of an H200): with
+    every_rounds 3 it runs in rounds 1, 4, 7 of those that probe (a busy round, skipped,
+    does not count), so its cost is a third of a probe a round."""
+    make, store, _ = env
+    base = _cfg()
+    cfg = dataclasses.replace(base, probes=dataclasses.replace(
+        base.probes, exploration=(dataclasses.replace(base.probes.exploration[0],
+                                                      every_rounds=3),)))
+    runner, dev = make(cfg=cfg)
+    kinds = []
+    for i in range(7):
+        if i == 2:
+            dev.cfg = dataclasses.replace(dev.cfg, busy=True)
+            assert runner.run_round() == []
+            dev.cfg = dataclasses.replace(dev.cfg, busy=False)
+        kinds.append(sum(r.kind == "exploration" for r in runner.run_round()))
+    assert kinds == [2, 0, 0, 2, 0, 0, 2]
+    assert sum(r["kind"] == "exploration" for r in store.probes()) == 6
+
+
 def test_each_result_is_stored_with_its_prediction_interval(env):
     """The interval the predictor gave, per target, stored with the point: the roofline's
     (runtime only) before a fit, the forest's (every target) after."""

@@ -57,6 +57,10 @@ class ExplorationConfig(_Variants):
     """Random shapes per round (stored for training, never exported as labels)."""
 
     per_round: int = _f(2, min=0, max=1000)
+    # Explore in one round of every this many (1: every round). An exploration probe costs
+    # what a sentinel does (its window and ~0.1 s beyond it: ~0.6 s of an H200 at 0.5 s),
+    # which every round would add to the plan's GPU time.
+    every_rounds: int = _f(1, min=1, max=100_000)
     m: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
     n: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
     k: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
@@ -92,8 +96,8 @@ DEFAULT_SENTINELS = (
                kernels=("blas",), backends=("cpu",)),
 )
 DEFAULT_EXPLORATION = (
-    ExplorationConfig(per_round=1, m=(256, 8192), n=(256, 8192), k=(256, 8192), align=64,
-                      dtypes=("bf16", "fp16", "fp32"), backends=_GPU),
+    ExplorationConfig(per_round=1, every_rounds=10, m=(256, 8192), n=(256, 8192),
+                      k=(256, 8192), align=64, dtypes=("bf16", "fp16", "fp32"), backends=_GPU),
     ExplorationConfig(per_round=1, m=(128, 1024), n=(128, 1024), k=(128, 1024), align=64,
                       dtypes=("fp32", "fp64"), backends=("cpu",)),
 )
