@@ -266,3 +266,23 @@ def test_the_warm_up_runs_no_more_gemms_than_it_needs(simulated_fake_clock):
     quick = measure(dev, ProbeSpec(256, 256, 256, "fp32"), cfg)
     assert cfg.warmup_s <= quick.context["phases"]["warmup_s"] <= \
         cfg.warmup_s + 3 * quick.runtime_s
+
+
+def test_a_cold_first_gemm_does_not_size_the_window(simulated_fake_clock, monkeypatch):
+    """The window is sized on the warm-up's later half: a first call 100x slower (a CPU's
+    BLAS threads starting, a GPU's clocks ramping) made a 0.1 s window of two warm-up GEMMs
+    21 ms long once the warm-up stopped at what it needed."""
+    dev = fake()
+    real = dev.run
+    calls: list[int] = []
+
+    def run(spec, n, cancel):
+        times = real(spec, n, cancel)
+        calls.append(n)
+        return [t * 100 for t in times] if len(calls) == 1 else times
+
+    monkeypatch.setattr(dev, "run", run)
+    m = measure(dev, ProbeSpec(1024, 1024, 1024, "fp32"),
+                MeasureConfig(window_s=0.1, warmup_s=0.0, warmup_iters=2))
+    assert calls[:2] == [1, 1]  # the warm-up: two GEMMs, no more
+    assert m.window_s == pytest.approx(0.1, rel=0.1)

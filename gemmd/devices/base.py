@@ -238,7 +238,7 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     started = device.clock()
     device.prepare(spec)
     prepared = device.clock()
-    # Warm-up: at least warmup_iters and warmup_s of device time; its median sizes the window.
+    # Warm-up: at least warmup_iters and warmup_s of device time.
     # Batches double so that a microsecond GEMM does not cost thousands of host round trips,
     # but no batch runs more GEMMs than are still needed (at the median so far): a 22 ms
     # GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms before, a third more device time.
@@ -252,8 +252,11 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
         by_time = math.ceil((cfg.warmup_s - sum(warm)) / per) if per > 0 else batch * 2
         batch = max(1, min(batch * 2, cfg.max_iters,
                            max(cfg.warmup_iters - len(warm), by_time)))
-    iters = iterations_for_window(float(np.median(warm)), cfg.window_s, cfg.min_iters,
-                                  cfg.max_iters)
+    # The window is sized on the warm-up's later half: its first GEMMs may run cold (a
+    # CPU's first 256^3 call took 50 ms, the next 0.2 ms: with two warm-up GEMMs the median
+    # of all made a 0.1 s window 21 ms of 8 GEMMs).
+    iters = iterations_for_window(float(np.median(warm[len(warm) // 2:])), cfg.window_s,
+                                  cfg.min_iters, cfg.max_iters)
     warmed = device.clock()
     ctx_before = device.context()
     run = device.run_observed(spec, iters, cancel)
