@@ -240,16 +240,19 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     prepared = device.clock()
     # Warm-up: at least warmup_iters and warmup_s of device time.
     # Batches double so that a microsecond GEMM does not cost thousands of host round trips,
-    # but no batch runs more GEMMs than are still needed (at the median so far): a 22 ms
-    # GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms before, a third more device time.
+    # but no batch runs more GEMMs than are still needed (at the median so far): a 21 ms
+    # GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms before, half as much again. A device
+    # whose GEMMs take no time at all stops after max_iters of them.
     warm: list[float] = []
     batch = 1
-    while len(warm) < cfg.warmup_iters or sum(warm) < cfg.warmup_s:
+    while len(warm) < cfg.warmup_iters or (sum(warm) < cfg.warmup_s and
+                                           len(warm) < cfg.max_iters):
         warm.extend(device.run(spec, batch, cancel))
         if cancel.is_set():
             raise ProbeCancelled(spec.name)
-        per = float(np.median(warm)) if warm else 0.0
-        by_time = math.ceil((cfg.warmup_s - sum(warm)) / per) if per > 0 else batch * 2
+        per, done = (float(np.median(warm)), sum(warm)) if warm else (0.0, 0.0)
+        by_time = math.ceil((cfg.warmup_s - done) / per) \
+            if per > 0 and math.isfinite(per) and math.isfinite(done) else batch * 2
         batch = max(1, min(batch * 2, cfg.max_iters,
                            max(cfg.warmup_iters - len(warm), by_time)))
     # The window is sized on the warm-up's later half: its first GEMMs may run cold (a
@@ -265,6 +268,10 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
         raise ProbeCancelled(spec.name)
     if not run.times:
         raise DeviceError(f"{spec.name}: the device ran no GEMM in the window")
+    if not all(0 < x < math.inf for x in run.times):  # NaN fails too
+        bad = next(x for x in run.times if not 0 < x < math.inf)
+        raise DeviceError(f"{spec.name}: the device timed a GEMM of the window at {bad!r} s "
+                          "(a broken timer): nothing recorded")
     ctx_after = device.context()
     iters, window = len(run.times), run.t1 - run.t0
     energy, power = energy_figures(run.e0, run.e1, window, iters)
