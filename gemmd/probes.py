@@ -52,13 +52,15 @@ def build_plan(groups: Sequence[ProbeGroup], device: Device) -> tuple[list[Probe
 
 
 def exploration_specs(groups: Sequence[ExplorationConfig], device: Device,
-                      rng: np.random.Generator, round_no: int = 0) -> list[ProbeSpec]:
-    """Random supported specs for the device's round ``round_no`` (0, 1, ...) from every
-    group that applies to the device and explores in that round (``every_rounds``)."""
+                      rng: np.random.Generator, due: Sequence[bool] | None = None
+                      ) -> list[ProbeSpec]:
+    """Random supported specs for this round from every group that applies to the device
+    and is ``due`` (per group; default: all; DeviceRunner makes a group due every
+    ``every_rounds`` rounds, and keeps it due until its draws have run)."""
     out: list[ProbeSpec] = []
-    for g in groups:
+    for i, g in enumerate(groups):
         if (not g.backends or device.info.backend in g.backends) and \
-                round_no % g.every_rounds == 0:
+                (due is None or due[i]):
             out.extend(_explore(g, device, rng))
     return out
 

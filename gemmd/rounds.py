@@ -125,7 +125,8 @@ class DeviceRunner:
         self._checks: Counter = Counter()
         self._round_lock = threading.Lock()
         self._offset = 0  # where the next round starts in its cycle of probes
-        self._rounds_run = 0  # rounds that probed (not skipped): when exploration runs
+        # per exploration group: rounds that probed since a draw of it last ran
+        self._explore_wait: dict[int, int] = {}
         self.last_skip: str | None = None  # why the last round was skipped (busy), if it was
         self.busy_skips = 0  # rounds skipped as busy in a row
         self._busy_since: float | None = None  # monotonic time of the first of them
@@ -194,9 +195,14 @@ class DeviceRunner:
             self._skip_all(busy, len(self.plan))
             return []
         self._busy_since, self.busy_skips = None, 0
-        todo = self._order(exploration_specs(self.cfg.probes.exploration, self.device,
-                                             self._rng, self._rounds_run))
-        self._rounds_run += 1
+        groups = self.cfg.probes.exploration
+        # a group not yet run is due: the model's first shapes come from the first round
+        wait = [self._explore_wait.get(i, g.every_rounds - 1) for i, g in enumerate(groups)]
+        due = [w + 1 >= g.every_rounds for w, g in zip(wait, groups)]
+        drawn = [exploration_specs([g], self.device, self._rng) if due[i] else []
+                 for i, g in enumerate(groups)]
+        todo = self._order([s for d in drawn for s in d])
+        ran: set[ProbeSpec] = set()
         budget = self.budget_s if self.budget_s is not None else \
             self.cfg.budget.duty_cycle * self.cfg.schedule.probe_interval_s
         used, results, failed, started = 0.0, _Results(self.on_result), "", 0
@@ -208,6 +214,7 @@ class DeviceRunner:
                 results.append(Result(spec, kind, "skipped", error="duty_cycle"))
                 continue
             started += 1
+            ran.add(spec)
             check = bool(mcfg.check_every) and self._checks[spec] % mcfg.check_every == 0
             # The parent's clock: asking a worker-process device for its clock would restart
             # a worker that was just killed for hanging.
@@ -242,6 +249,11 @@ class DeviceRunner:
             # The budget cut this round short: the next one starts where this one stopped,
             # so every probe runs within a bounded number of rounds (exploration included).
             self._offset = (self._offset + started) % max(1, len(todo))
+        # A group explores every every_rounds rounds that probe, and stays due until a draw
+        # of it has run: a round cut short by the budget (or by a failure) does not skip
+        # it for another every_rounds (the cycle's offset could leave it out for good).
+        for i, d in enumerate(drawn):
+            self._explore_wait[i] = 0 if ran.intersection(d) else wait[i] + 1
         with self.state.lock:
             ds.last_round_ts = time.time()
         if failed:

@@ -98,6 +98,31 @@ def test_exploration_runs_in_one_round_of_every_n(env):
     assert sum(r["kind"] == "exploration" for r in store.probes()) == 6
 
 
+def test_exploration_is_not_starved_when_the_budget_cuts_rounds(env):
+    """Rounds cut short by the duty-cycle budget start where the last one stopped; a group
+    that explores every 10th round stays due until its draw has run. Before, the cycle's
+    offset left the draw out of every round it was due in (6 sentinels, room for 3 a
+    round: none of the 10 due draws ran in 100 rounds)."""
+    make, store, _ = env
+    base = _cfg()
+    probes = dataclasses.replace(
+        base.probes, sentinels=(ProbeGroup(shapes=((1024,) * 3, (2048,) * 3, (512,) * 3),
+                                           dtypes=("bf16", "fp32")),),
+        exploration=(dataclasses.replace(base.probes.exploration[0], per_round=1,
+                                         every_rounds=10),))
+    runner, _ = make(cfg=dataclasses.replace(base, probes=probes))
+    runner.budget_s = 0.35  # 0.1 s windows: 3 probes a round
+    ran = [sum(r.kind == "exploration" and r.outcome == "ok" for r in runner.run_round())
+           for _ in range(100)]
+    assert sum(ran) >= 8, ran
+    # and the sentinels still take turns: each ran about as often as the others
+    counts: dict[str, int] = {}
+    for r in store.probes():
+        if r["kind"] == "sentinel":
+            counts[r["dtype"] + str(r["m"])] = counts.get(r["dtype"] + str(r["m"]), 0) + 1
+    assert len(counts) == 6 and max(counts.values()) - min(counts.values()) <= 3, counts
+
+
 def test_each_result_is_stored_with_its_prediction_interval(env):
     """The interval the predictor gave, per target, stored with the point: the roofline's
     (runtime only) before a fit, the forest's (every target) after."""
