@@ -191,10 +191,11 @@ class TransferModel:
         """Cross-validation over the probes, grouped by shape (the recipes fitted without a
         fold have seen none of its shapes): per target and recipe, the mean absolute
         percentage error of the out-of-fold predictions ("err"), their number ("n") and
-        the interval "scale" that makes the nominal share of them covered (never below
-        1); for "blend", the best of BLEND_WEIGHTS ("weight"); and per target the recipe
-        chosen: DEFAULT_CHOICE unless, from MIN_OVERRIDE probes, another has a lower error
-        by SELECT_SE standard errors of the paired difference."""
+        the interval "scale" that makes the nominal share of them covered
+        (cv_interval_scale; per kernel too, "by_kernel"); for "blend", the best of
+        BLEND_WEIGHTS ("weight"); and per target the recipe chosen: DEFAULT_CHOICE
+        unless, from MIN_OVERRIDE probes, another has a lower error by SELECT_SE standard
+        errors of the paired difference."""
         from sklearn.model_selection import GroupKFold
 
         if len(t) > CV_MAX_ROWS:
@@ -258,7 +259,7 @@ class TransferModel:
             for target, (mu, sd) in per.items():
                 with np.errstate(divide="ignore", invalid="ignore"):
                     y = np.log(t[COLUMN[target]])
-                ok = np.isfinite(y) & np.isfinite(mu)
+                ok = np.isfinite(y) & np.isfinite(mu) & np.isfinite(sd)
                 if ok.sum() < MIN_SELECT:
                     continue
                 err = np.abs(y[ok] - mu[ok])
@@ -350,7 +351,8 @@ class TransferModel:
             choice = self.choice.get(target, "calibrated")
             size_sd = tau["size"]
             fl = flags[target]
-            scale = self._row_scale(target, choice, t, self.cv_scale.get(target, 1.0))
+            scale = self._row_scale(target, choice, t["kernel"],
+                                    self.cv_scale.get(target, 1.0))
             for j, cal in enumerate(cals):
                 sel = t.device == j
                 if cal is None or target not in cal.level or not sel.any():
@@ -400,8 +402,9 @@ class TransferModel:
                     idx, var, extra_sz = idx[~probed], var[~probed], extra_sz[~probed]
                 # the calibrated prior (its factor only where it is the chosen recipe)
                 c = scale[idx] if choice == "calibrated" else self._row_scale(
-                    target, "calibrated", t.take(idx), self.meta.get("transfer", {}).get(
-                        "cv", {}).get(target, {}).get("calibrated", {}).get("scale", 1.0))
+                    target, "calibrated", t["kernel"][idx], self.meta.get(
+                        "transfer", {}).get("cv", {}).get(target, {}).get(
+                        "calibrated", {}).get("scale", 1.0))
                 sd[idx] = np.sqrt(var + extra_sz) * c
                 zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
                     self.meta.get("interval", 0.9)) / 2)
@@ -420,12 +423,16 @@ class TransferModel:
         bounds.clip(res, t)
         return res
 
-    def _row_scale(self, target: str, recipe: str, t: Table, default: float) -> np.ndarray:
-        """Per row of ``t``: the interval factor cross-validation found for ``recipe``
-        on its kernel (``by_kernel``), else ``default`` (the recipe's over all kernels)."""
+    def _row_scale(self, target: str, recipe: str, kernels: np.ndarray, default: float
+                   ) -> np.ndarray:
+        """Per row (its ``kernels``): the interval factor cross-validation found for
+        ``recipe`` on that kernel (``by_kernel``), else ``default`` (over all kernels)."""
         by = self.meta.get("transfer", {}).get("cv", {}).get(target, {}).get(
             recipe, {}).get("by_kernel") or {}
-        return np.array([by.get(str(k), default) for k in t["kernel"]], dtype=float)
+        if not by:
+            return np.full(len(kernels), default, dtype=float)
+        names, inv = np.unique(np.asarray(kernels).astype(str), return_inverse=True)
+        return np.array([by.get(k, default) for k in names], dtype=float)[inv.ravel()]
 
     def _tree_logs(self, kind: str, trees: dict[str, tuple[Any, float]], t: Table
                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
