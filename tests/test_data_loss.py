@@ -12,6 +12,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from contextlib import closing
 
 import numpy as np
@@ -128,13 +129,16 @@ def _fill(store):
     with closing(sqlite3.connect(store.path)) as db:
         page = int(db.execute("PRAGMA page_size").fetchone()[0])
         db.execute(f"PRAGMA max_page_count={size // page}")
+        # the device's own uuid and the time now: the index entries land where the next
+        # results' would, so the index's last pages are full too
+        uuid = db.execute("SELECT device_uuid FROM probes LIMIT 1").fetchone()[0]
         while True:
             try:
                 with db:
                     db.execute("INSERT INTO probes (ts, source, kind, device_uuid, "
                                "device_name, backend, m, n, k, dtype, kernel, tile, layout, "
-                               "outcome) VALUES (0, 'filler', 'import', '', '', '', 1, 1, 1, "
-                               "'', '', 0, '', '')")
+                               "outcome) VALUES (?, 'filler', 'import', ?, '', '', 1, 1, 1, "
+                               "'', '', 0, '', '')", (time.time(), uuid))
             except sqlite3.OperationalError as e:
                 assert "full" in str(e)
                 break
