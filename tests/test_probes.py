@@ -270,20 +270,26 @@ def test_the_warm_up_runs_no_more_gemms_than_it_needs(simulated_fake_clock):
         cfg.warmup_s + 3 * quick.runtime_s
 
 
-def test_a_cold_first_gemm_does_not_size_the_window(simulated_fake_clock, monkeypatch):
-    """The window is sized on the warm-up's later half: a first call 100x slower (a CPU's
-    BLAS threads starting, a GPU's clocks ramping) made a 0.1 s window of two warm-up GEMMs
-    21 ms long once the warm-up stopped at what it needed."""
+def _timed_as(monkeypatch, alter):
+    """A fake GPU whose call number i (1, 2, ...) of run() returns alter(i, its times), and
+    the GEMMs each call was asked for."""
     dev = fake()
     real = dev.run
     calls: list[int] = []
 
     def run(spec, n, cancel):
-        times = real(spec, n, cancel)
         calls.append(n)
-        return [t * 100 for t in times] if len(calls) == 1 else times
+        return alter(len(calls), real(spec, n, cancel))
 
     monkeypatch.setattr(dev, "run", run)
+    return dev, calls
+
+
+def test_a_cold_first_gemm_does_not_size_the_window(simulated_fake_clock, monkeypatch):
+    """The window is sized on the warm-up's later half: a first call 100x slower (a CPU's
+    BLAS threads starting, a GPU's clocks ramping) made a 0.1 s window of two warm-up GEMMs
+    2 ms long once the warm-up stopped at what it needed (a CPU probe's: 21 ms)."""
+    dev, calls = _timed_as(monkeypatch, lambda i, t: [x * 100 for x in t] if i == 1 else t)
     m = measure(dev, ProbeSpec(1024, 1024, 1024, "fp32"),
                 MeasureConfig(window_s=0.1, warmup_s=0.0, warmup_iters=2))
     assert calls[:2] == [1, 1]  # the warm-up: two GEMMs, no more
@@ -296,19 +302,12 @@ def test_a_warm_up_of_impossible_times_ends(simulated_fake_clock, monkeypatch, b
     ends the warm-up: no ValueError from ceil(nan), no loop that never reaches warmup_s.
     A cold first call's is outlived; in the window such times are the device's failure,
     said in one line, not a runtime of inf or 0 stored."""
-    dev = fake()
-    real = dev.run
-    calls: list[int] = []
-
-    def run(spec, n, cancel):
-        times = real(spec, n, cancel)
-        calls.append(n)
+    def alter(i, times):
         if bad == "zero":
-            return [0.0] * n
-        first = len(calls) == 1
-        return [math.inf] + times[1:] if first == (bad == "inf_first") else times
+            return [0.0] * len(times)
+        return [math.inf] + times[1:] if (i == 1) == (bad == "inf_first") else times
 
-    monkeypatch.setattr(dev, "run", run)
+    dev, calls = _timed_as(monkeypatch, alter)
     spec, cfg = ProbeSpec(1024, 1024, 1024, "fp32"), MeasureConfig(window_s=0.1,
                                                                   warmup_s=0.02, max_iters=1000)
     if bad == "inf_first":
