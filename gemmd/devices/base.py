@@ -255,9 +255,9 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
             if per > 0 and math.isfinite(per) and math.isfinite(done) else batch * 2
         batch = max(1, min(batch * 2, cfg.max_iters,
                            max(cfg.warmup_iters - len(warm), by_time)))
-    # The window is sized on the warm-up's later half: its first GEMMs may run cold (a
-    # CPU's first 256^3 call took 50 ms, the next 0.2 ms: with two warm-up GEMMs the median
-    # of all made a 0.1 s window 21 ms of 8 GEMMs).
+    # The window is sized on the warm-up's later half: its first GEMMs may run cold (with
+    # two warm-up GEMMs, the median of both sized a CPU probe's 0.1 s window at 21 ms, 8
+    # GEMMs of 0.2 ms, after a 56 ms warm-up; tests/test_probes.py, a 100x cold call).
     iters = iterations_for_window(float(np.median(warm[len(warm) // 2:])), cfg.window_s,
                                   cfg.min_iters, cfg.max_iters)
     warmed = device.clock()
