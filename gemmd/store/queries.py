@@ -46,9 +46,7 @@ class Store(StoreWrites):
             args.append(outcome)
         if not include_flagged:
             where.append("flagged = 0")
-        if since is not None:
-            where.append("ts >= ?")
-            args.append(since)
+        _time_range(where, args, since, None)
         sql = "SELECT * FROM probes" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY ts DESC, id DESC"
         if limit is not None:
@@ -140,6 +138,17 @@ class Store(StoreWrites):
         return rows[0] if rows else None
 
 
+def _time_range(where: list[str], args: list[Any], since: float | None,
+                until: float | None) -> None:
+    """Add ``since <= ts <= until`` (either end may be None: open) to a query's clauses."""
+    if since is not None:
+        where.append("ts >= ?")
+        args.append(since)
+    if until is not None:
+        where.append("ts <= ?")
+        args.append(until)
+
+
 def sentinels_sql(uuid: str, since: float | None, until: float | None, source: str, *,
                   intervals: bool) -> tuple[str, tuple[Any, ...]]:
     """The query of a device's sentinel results (Store.sentinel_history, and the reports'
@@ -149,12 +158,7 @@ def sentinels_sql(uuid: str, since: float | None, until: float | None, source: s
                                      for c in INTERVAL_COLUMNS]
     where = ["source = ?", "kind = 'sentinel'", "device_uuid = ?"]
     args: list[Any] = [source, uuid]
-    if since is not None:
-        where.append("ts >= ?")
-        args.append(since)
-    if until is not None:
-        where.append("ts <= ?")
-        args.append(until)
+    _time_range(where, args, since, until)
     return (f"SELECT {', '.join(cols)} FROM probes WHERE {' AND '.join(where)} "
             "ORDER BY ts, id", tuple(args))
 
@@ -164,12 +168,7 @@ def events_sql(since: float | None, until: float | None, uuids: Sequence[str] | 
     """The query of events (Store.events, and the reports' read-only connection)."""
     where: list[str] = []
     args: list[Any] = []
-    if since is not None:
-        where.append("ts >= ?")
-        args.append(since)
-    if until is not None:
-        where.append("ts <= ?")
-        args.append(until)
+    _time_range(where, args, since, until)
     if uuids is not None:
         where.append(f"(device_uuid IS NULL OR device_uuid IN "
                      f"({', '.join('?' for _ in uuids)}))")
