@@ -78,7 +78,7 @@ def test_round_runs_sentinels_then_exploration_and_stores_all(env):
 
 
 def test_exploration_runs_in_one_round_of_every_n(env):
-    """An exploration probe costs a GPU what a sentinel does (~0.6 s of an H200): with
+    """An exploration probe costs a GPU what a sentinel does (~0.7 s of an H200): with
     every_rounds 3 it runs in rounds 1, 4, 7 of those that probe (a busy round, skipped,
     does not count), so its cost is a third of a probe a round."""
     make, store, _ = env

@@ -58,7 +58,7 @@ class ExplorationConfig(_Variants):
 
     per_round: int = _f(2, min=0, max=1000)
     # Explore in one round of every this many (1: every round). An exploration probe costs
-    # what a sentinel does (its window and ~0.1 s beyond it: ~0.6 s of an H200 at 0.5 s),
+    # what a sentinel does (its window and ~0.1-0.2 s beyond it: ~0.7 s of an H200 at 0.5 s),
     # which every round would add to the plan's GPU time.
     every_rounds: int = _f(1, min=1, max=100_000)
     m: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
