@@ -234,7 +234,7 @@ def test_measure_on_fake_device(simulated_fake_clock):
     assert set(ph) == {"prepare_s", "warmup_s", "before_window_s", "window_s",
                        "after_window_s", "check_s"}
     assert ph["window_s"] == m.window_s
-    assert cfg.warmup_s <= ph["warmup_s"] <= cfg.warmup_s + 2 * m.runtime_s
+    assert cfg.warmup_s <= ph["warmup_s"] <= 1.1 * cfg.warmup_s + 2 * m.runtime_s
     assert all(v >= 0 for v in ph.values())
 
 
@@ -257,17 +257,19 @@ def test_measure_unsupported_raises():
 
 
 def test_the_warm_up_runs_no_more_gemms_than_it_needs(simulated_fake_clock):
-    """Warm-up batches double, but none runs more GEMMs than are still needed: a 21 ms
-    GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms (64 ms of device time, issue 23's plan
-    cost), a 25 us one up to twice the 20 ms asked for."""
+    """No warm-up call runs more GEMMs than are still needed: a 21 ms GEMM ran 3 for a
+    warm-up of 2 GEMMs and 20 ms (64 ms of device time, issue 23's plan cost), a 25 us one
+    up to twice the 20 ms asked for."""
     dev = fake()
     cfg = MeasureConfig(window_s=0.5, warmup_s=0.02, warmup_iters=2)
     slow = measure(dev, ProbeSpec(8192, 8192, 8192, "fp32"), cfg)
     assert slow.runtime_s > cfg.warmup_s
     assert slow.context["phases"]["warmup_s"] == pytest.approx(2 * slow.runtime_s, rel=0.05)
     quick = measure(dev, ProbeSpec(256, 256, 256, "fp32"), cfg)
+    # (the last call aims 10% over what the median says: noisy times must not leave a
+    # third call of a few GEMMs, ~26 ms of host time on the H200)
     assert cfg.warmup_s <= quick.context["phases"]["warmup_s"] <= \
-        cfg.warmup_s + 3 * quick.runtime_s
+        1.1 * cfg.warmup_s + 3 * quick.runtime_s
 
 
 def _timed_as(monkeypatch, alter):
@@ -294,6 +296,21 @@ def test_a_cold_first_gemm_does_not_size_the_window(simulated_fake_clock, monkey
                 MeasureConfig(window_s=0.1, warmup_s=0.0, warmup_iters=2))
     assert calls[:2] == [1, 1]  # the warm-up: two GEMMs, no more
     assert m.window_s == pytest.approx(0.1, rel=0.1)
+
+
+@pytest.mark.parametrize("dtype,size", [("bf16", 4096), ("bf16", 8192), ("fp32", 4096)])
+def test_the_warm_up_takes_two_calls(simulated_fake_clock, monkeypatch, dtype, size):
+    """Each call of a real GPU's warm-up costs host time beyond its GEMMs (~26 ms on the
+    H200): batches that doubled made 4-7 calls of a 0.2-1.6 ms GEMM. One GEMM (it may run
+    cold), then what the warm-up still needs. (The NVIDIA backend's first call runs a
+    chunk of ~0.2 ms: smaller GEMMs take two calls there too, tests/test_gpu_contract.py.)"""
+    dev, calls = _timed_as(monkeypatch, lambda i, t: t)
+    cfg = MeasureConfig(window_s=0.5, warmup_s=0.02, warmup_iters=2)
+    m = measure(dev, ProbeSpec(size, size, size, dtype), cfg)
+    warm_up = calls[:-1]  # the fake's window runs through run() too
+    assert warm_up[0] == 1 and len(warm_up) == 2, (calls, m.runtime_s)
+    assert cfg.warmup_s <= m.context["phases"]["warmup_s"] <= \
+        1.1 * cfg.warmup_s + 2 * m.runtime_s
 
 
 @pytest.mark.parametrize("bad", ["inf_first", "inf_later", "zero"])

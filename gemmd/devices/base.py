@@ -24,6 +24,11 @@ from gemmd.errors import DeviceError, ProbeCancelled, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
 from gemmd.records import DeviceInfo, Measurement
 
+# A warm-up call runs at most this many times the GEMMs run before it: a 0.2 ms GEMM, or
+# a chunk of small ones (the NVIDIA backend's first call runs ~0.2 ms of them), reaches a
+# 20 ms warm-up in two calls; a timer's glitch costs at most this many GEMMs.
+_WARMUP_GROWTH = 128
+
 
 @dataclass(frozen=True)
 class BusyLimits:
@@ -238,11 +243,13 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     started = device.clock()
     device.prepare(spec)
     prepared = device.clock()
-    # Warm-up: at least warmup_iters and warmup_s of device time.
-    # Batches double so that a microsecond GEMM does not cost thousands of host round trips,
-    # but no batch runs more GEMMs than are still needed (at the median so far): a 21 ms
-    # GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms before, half as much again. A device
-    # whose GEMMs take no time at all stops after max_iters of them.
+    # Warm-up: at least warmup_iters and warmup_s of device time, in as few calls as it
+    # can (each cost the H200 ~26 ms of host time: doubling batches made 4-7 calls of a
+    # 0.2-1.6 ms GEMM). One GEMM first, as it may run cold; then what is still needed at
+    # the median so far, but at most _WARMUP_GROWTH times the GEMMs run so far (a glitch
+    # of the timer must not buy seconds of GEMMs); no more than needed (a 21 ms
+    # GEMM ran 3 for a warm-up of 2 GEMMs and 20 ms). A device whose GEMMs take no time
+    # at all stops after max_iters of them.
     warm: list[float] = []
     batch = 1
     while len(warm) < cfg.warmup_iters or (sum(warm) < cfg.warmup_s and
@@ -251,9 +258,10 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
         if cancel.is_set():
             raise ProbeCancelled(spec.name)
         per, done = (float(np.median(warm)), sum(warm)) if warm else (0.0, 0.0)
-        by_time = math.ceil((cfg.warmup_s - done) / per) \
+        # (10% over what the median says: noisy times must not leave a call of 3 GEMMs)
+        by_time = math.ceil(1.1 * (cfg.warmup_s - done) / per) \
             if per > 0 and math.isfinite(per) and math.isfinite(done) else batch * 2
-        batch = max(1, min(batch * 2, cfg.max_iters,
+        batch = max(1, min(len(warm) * _WARMUP_GROWTH, cfg.max_iters,
                            max(cfg.warmup_iters - len(warm), by_time)))
     # The window is sized on the warm-up's later half: its first GEMMs may run cold (with
     # two warm-up GEMMs, the median of both sized a CPU probe's 0.1 s window at 21 ms, 8
