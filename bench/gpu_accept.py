@@ -566,7 +566,8 @@ def step_energy(ctx: Ctx) -> None:
                 ctx.step.note = "fewer repeats at the longest windows: step budget spent"
                 break
             dev.run(spec, warm, cancel)  # as measure() warms up before its window
-            run = dev.run_observed(spec, iters, cancel)  # ONE window for both methods
+            # ONE window for both methods, time-bounded as measure()'s
+            run = dev.run_observed(spec, iters, cancel, max_s=w)
             n, span = len(run.times), run.t1 - run.t0
             e_win, p_win = energy_figures(run.e0, run.e1, span, n)
             p_step = power_between_steps(run.steps, span)

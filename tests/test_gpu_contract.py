@@ -35,7 +35,7 @@ from cupy_backends.cuda.libs import cublas as cupy_cublas
 
 from gemmd.config import MeasureConfig
 from gemmd.devices import cublas, energy_watch, nvidia, nvml, visible
-from gemmd.devices.base import measure
+from gemmd.devices.base import iterations_for_window, measure
 from gemmd.devices.nvml import Nvml
 from gemmd.errors import DeviceError, DeviceFault, DeviceUnavailable, UnsupportedProbe
 from gemmd.gemm import ProbeSpec
@@ -459,6 +459,64 @@ def test_energy_steps_are_watched_from_another_thread_while_the_gpu_works(gpu):
     assert m.context["after"]["energy_method"] == "steps"
     assert m.power_w == pytest.approx(300.0, rel=0.1)
     assert m.energy_j == pytest.approx(300.0 * m.runtime_mean_s, rel=0.1)
+
+
+def test_a_window_sized_at_warm_up_clocks_ends_at_its_time_when_the_clocks_drop(gpu):
+    """Seen on the H200: the bf16 probe's 0.5 s window, sized on the warm-up's GEMMs at
+    1980 MHz, ran 0.577 s once the power cap brought the clocks to 1530 MHz (15% more GPU
+    time a round). The window now stops enqueuing when what is queued reaches its time, a
+    chunk at most beyond it, and never leaves the GPU waiting on the host."""
+    dev = _device(gpu, energy_mj=stepping_counter(300.0, gpu.clock, step_s=0.01))
+    spec = ProbeSpec(96, 96, 96, "fp32")  # ~90 us per GEMM on the stand-in: chunks of 3
+    real = dev.run_observed
+
+    def power_capped(*args, **kwargs):
+        gpu.flops_per_s /= 1.3  # the clocks drop as the window starts
+        return real(*args, **kwargs)
+
+    dev.run_observed = power_capped
+    cfg = MeasureConfig(window_s=0.05, warmup_s=0.01)
+    m = measure(dev, spec, cfg)
+    chunk = dev._chunks[dev._run_key(spec)]
+    assert cfg.window_s <= m.window_s <= cfg.window_s + 2 * chunk * m.runtime_s
+    # Back to back: the GEMMs' own times fill the window (the host waited on the GPU,
+    # never the GPU on the host), and energy still came from the counter's steps.
+    assert sum(m.runtime_mean_s for _ in range(m.iterations)) == \
+        pytest.approx(m.window_s, rel=0.01)
+    assert m.context["after"]["energy_method"] == "steps"
+    # What it was sized for at the warm-up's clocks would have run 30% over.
+    sized = iterations_for_window(m.runtime_s / 1.3, cfg.window_s, 3, 100_000)
+    assert m.iterations < sized and sized * m.runtime_s > 1.25 * cfg.window_s
+
+
+def test_the_warm_up_reads_no_energy_counter_and_the_window_few(gpu):
+    """The warm-up's calls cost the H200 ~26 ms of host time each beyond their GEMMs; the
+    energy reads and their watcher were in every one. The warm-up has no use for them."""
+    counter = stepping_counter(300.0, gpu.clock, step_s=0.01)
+    reads = {"warm-up": 0, "other": 0}
+    phase = ["other"]
+
+    def read():
+        reads[phase[0]] += 1
+        return counter()
+
+    dev = _device(gpu, energy_mj=read)
+    real = dev.run
+    calls = []
+
+    def warm_up(spec, n, cancel):
+        phase[0] = "warm-up"
+        calls.append(n)
+        try:
+            return real(spec, n, cancel)
+        finally:
+            phase[0] = "other"
+
+    dev.run = warm_up
+    m = measure(dev, ProbeSpec(96, 96, 96, "fp32"), MeasureConfig(window_s=0.05,
+                                                                  warmup_s=0.01))
+    assert reads["warm-up"] == 0 and m.context["after"]["energy_method"] == "steps"
+    assert len(calls) == 2  # one GEMM (maybe cold), then what 10 ms still needs
 
 
 def test_energy_watcher_keeps_only_changes():

@@ -141,10 +141,13 @@ class Device(abc.ABC):
         Returns early (fewer times) when ``cancel`` is set.
         """
 
-    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> Run:
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
+                     max_s: float | None = None) -> Run:
         """Like run(), with the energy counter read around the work and, where the device
         can watch it, its steps during the work. A device may round ``iterations`` up (to
-        whole chunks); len(Run.times) is what ran."""
+        whole chunks); len(Run.times) is what ran. A device that sees its progress while
+        it works (the NVIDIA backend) also stops once ``max_s`` seconds of GEMMs are
+        queued; the others, which time each GEMM as it ends, run the iterations."""
         e0, t0 = self.energy_j(), self.clock()
         times = self.run(spec, iterations, cancel)
         e1, t1 = self.energy_j(), self.clock()
@@ -270,7 +273,7 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
                                   cfg.min_iters, cfg.max_iters)
     warmed = device.clock()
     ctx_before = device.context()
-    run = device.run_observed(spec, iters, cancel)
+    run = device.run_observed(spec, iters, cancel, max_s=cfg.window_s)
     power_sample = device.power_w()
     if cancel.is_set():
         raise ProbeCancelled(spec.name)

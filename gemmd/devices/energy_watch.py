@@ -24,6 +24,7 @@ class _EnergyWatcher:
         self._read, self._period, self._clock, self._ticker = read, period, clock, ticker
         self.steps: list[tuple[float, float]] = []
         self.error: BaseException | None = None
+        self.first: float | None = None  # the reading on entering: the window's start
         self._last: float | None = None
         self._sub: Any = None
         self._stop = threading.Event()
@@ -50,7 +51,7 @@ class _EnergyWatcher:
 
     def __enter__(self) -> _EnergyWatcher:
         try:
-            self._last = self._read()
+            self.first = self._last = self._read()
         except Exception as err:
             self.error = err
         if self._ticker is not None:

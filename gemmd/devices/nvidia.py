@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 _MIN_CHUNK_S = 200e-6  # GPU time per CUDA-event pair (one graph launch) at least this long
 _MAX_CHUNK = 4096  # GEMMs per captured graph at most
+_QUEUE_S = 0.01  # GPU time queued ahead of it while a window's time bound is watched
 _MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 _CHECK_ROWS, _CHECK_COLS = 8, 256
 
@@ -435,17 +436,31 @@ class NvidiaDevice(Device):
         return chunk
 
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
-        return self.run_observed(spec, iterations, cancel).times
+        """The warm-up's GEMMs: timed with events, without the energy counter. On the
+        H200 each call cost ~26 ms of host time beyond its GEMMs (bench/call_overhead.py, 15
+        configurations, 3-8 calls each), the energy reads and their watcher the suspects;
+        the warm-up has no use for them, and the window no longer depends on its sizing
+        being exact (``max_s``)."""
+        return self._run(spec, iterations, cancel, watch=False, max_s=None).times
 
-    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> Run:
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
+                     max_s: float | None = None) -> Run:
         """Back-to-back GEMMs on the probe stream, one graph launch per chunk of GEMMs and a
-        CUDA event between chunks. Warm-up and timed window run this same code, the energy
-        watcher included, so that the window is measured as the warm-up sized it.
+        CUDA event between chunks, the energy counter watched throughout.
 
         The chunk size is calibrated on the first call for a shape (``_calibrate``) and
         grown when a later window shows GEMMs faster than it assumed; graphs are captured
-        before ``t0``, and ``iterations`` is rounded up to whole chunks.
+        before ``t0``, and ``iterations`` is rounded up to whole chunks. With ``max_s``
+        the run also ends once the GEMMs queued reach ``max_s`` of GPU time at the pace
+        so far: the host stays ~``_QUEUE_S`` of work ahead of the GPU (never starving it)
+        and stops enqueuing there, so a window sized on warm-up clocks that then drop (the
+        H200's bf16 probe: 1980 -> 1530 MHz at its power cap, a 0.5 s window ran 0.577 s)
+        costs what it was configured to, give or take a chunk.
         """
+        return self._run(spec, iterations, cancel, watch=self._has_counter, max_s=max_s)
+
+    def _run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
+             watch: bool, max_s: float | None) -> Run:
         key = self._key(spec)
         bufs = self._bufs.get(key)
         if bufs is None:
@@ -453,7 +468,6 @@ class NvidiaDevice(Device):
             bufs = self._bufs[key]
         key = self._run_key(spec)
         get_time = self.cp.cuda.get_elapsed_time
-        watch = self._has_counter
         with self._translate(f"run {spec.name}"), self.dev, self.stream:
             if key not in self._chunks:
                 self._chunks[key] = self._calibrate(spec, bufs)
@@ -461,11 +475,15 @@ class NvidiaDevice(Device):
             n = max(1, -(-iterations // chunk))
             replay = self._replay(spec, bufs, chunk)
             events = self._event_pool(n + 1)
+            # Chunks kept queued ahead of the GPU while a time bound is watched.
+            bound = max_s if max_s is not None and max_s > 0 else math.inf
+            lag = max(1, math.ceil(_QUEUE_S * n / bound)) if bound < math.inf else n
             watcher: Any = _EnergyWatcher(self.energy_j, clock=self._clock,
                                           ticker=self._ticker) if watch else \
                 contextlib.nullcontext()
             with watcher as w:
-                e0 = self.energy_j() if watch else None
+                # The watcher's first reading is the window's start: one NVML read fewer.
+                e0 = w.first if w is not None else None
                 t0 = self._clock()
                 events[0].record(self.stream)
                 done = 0
@@ -475,6 +493,12 @@ class NvidiaDevice(Device):
                     done = i + 1
                     if cancel.is_set():
                         break
+                    j = done - lag  # the boundary to wait for: lag chunks stay queued
+                    if j >= 1 and done < n:
+                        events[j].synchronize()
+                        ran = get_time(events[0], events[j]) / 1e3
+                        if ran * done / j >= bound:
+                            break  # what is queued fills the window at this pace
                 events[done].synchronize()
                 t1 = self._clock()
                 e1 = self.energy_j() if watch else None

@@ -76,8 +76,12 @@ def _serve(conn: Any, factory: Callable[[], Device]) -> None:
             if method == "measure":
                 spec, cfg, check = args
                 result: Any = dev.measure(spec, cfg, check=check)
-            elif method in ("run", "run_observed"):
-                result = getattr(dev, method)(*args, threading.Event())
+            elif method == "run":
+                spec, iterations = args
+                result = dev.run(spec, iterations, threading.Event())
+            elif method == "run_observed":
+                spec, iterations, max_s = args
+                result = dev.run_observed(spec, iterations, threading.Event(), max_s=max_s)
             else:
                 result = getattr(dev, method)(*args)
             conn.send(("ok", result))
@@ -228,8 +232,9 @@ class WorkerDevice(Device):
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
         return self._call("run", spec, iterations, cancel=cancel)
 
-    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> Run:
-        return self._call("run_observed", spec, iterations, cancel=cancel)
+    def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
+                     max_s: float | None = None) -> Run:
+        return self._call("run_observed", spec, iterations, max_s, cancel=cancel)
 
     def clock(self) -> float:
         """The parent's monotonic clock (the real backends' clock too: it is system-wide),
