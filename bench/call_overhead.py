@@ -1,0 +1,104 @@
+"""Where a probe's GPU time goes beyond its window, from the H200's plan_cost.csv.
+
+``python bench/call_overhead.py [CSV]`` (default: bench/results/2026-11-26-h200-plan/
+plan_cost.csv, written by ``bench/drift.py --measure-plan`` before the phases were
+recorded). For each probe and configuration it rebuilds the warm-up that the measuring
+tree ran (batches of 1, 2, 4, ... GEMMs rounded up to whole chunks until warmup_iters and
+warmup_s were reached), subtracts the warm-up's and the window's GPU time from the elapsed
+time, and fits what is left as ``a + b x (device calls)``: the host time each call costs.
+Then it estimates what the default plan costs a round with this tree's warm-up (two
+calls) and time-bounded window, under the two readings of that cost the data cannot tell
+apart: every call pays it, or only the calls that read the energy counter. The phases
+recorded by this tree (gpu_accept's phases.csv) will say which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+DEFAULT = HERE / "results" / "2026-11-26-h200-plan" / "plan_cost.csv"
+PLAN = ("blas-fp32-nn-8192x8192x8192", "blas-bf16-nn-8192x8192x8192")  # the default plan
+WINDOW, WARMUP, CHECK_EVERY, CHECK_S = 0.5, 0.02, 10, 0.22  # CHECK_S as bench/drift.py
+
+
+def chunk_size(per: float) -> int:
+    """The NVIDIA backend's GEMMs per graph for a GEMM of ``per`` seconds (warm)."""
+    return 1 if per >= 200e-6 else math.ceil(200e-6 / per)
+
+
+def old_warm_up(per: float, warmup_s: float, chunk: int, warmup_iters: int = 2
+                ) -> tuple[int, float]:
+    """(calls, GPU seconds) of the doubling warm-up that measured plan_cost.csv."""
+    n, batch, calls = 0, 1, 0
+    while n < warmup_iters or n * per < warmup_s:
+        n += -(-batch // chunk) * chunk
+        batch *= 2
+        calls += 1
+    return calls, n * per
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csv", nargs="?", default=str(DEFAULT))
+    args = ap.parse_args(argv)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    with open(args.csv, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["check"] == "False":
+                groups[(r["probe"], float(r["window_cfg"]), float(r["warmup_cfg"]))].append(r)
+    rows, x, y = [], [], []
+    for (probe, win, wu), rs in sorted(groups.items()):
+        per = float(np.median([float(r["runtime_s"]) for r in rs]))
+        # The chunk was calibrated on warm GEMMs at full clocks: the fastest seen.
+        chunk = chunk_size(min(float(r["runtime_s"]) for r in rs))
+        calls, warm_s = old_warm_up(per, wu, chunk)
+        rest = float(np.median([float(r["elapsed_s"]) - float(r["window_s"]) for r in rs]))
+        left = rest - warm_s
+        rows.append((probe, win, wu, per, chunk, calls, warm_s, left))
+        x.append([1.0, calls + 1])  # the warm-up's calls and the window's
+        y.append(left)
+    fits = {}
+    for wu in sorted({r[2] for r in rows}):
+        pick = [i for i, r in enumerate(rows) if r[2] == wu]
+        xs, ys = np.asarray(x)[pick], np.asarray(y)[pick]
+        sol, *_ = np.linalg.lstsq(xs, ys, rcond=None)
+        fits[wu] = (float(sol[0]), float(sol[1]), float((ys - xs @ sol).std()), len(pick))
+    print("| probe | window s | warm-up s | GEMM ms | chunk | warm-up calls | warm-up GPU s "
+          "| left beyond window and warm-up, s | per call |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for probe, win, wu, per, chunk, calls, warm_s, left in rows:
+        print(f"| {probe} | {win} | {wu} | {per * 1e3:.3f} | {chunk} | {calls} | "
+              f"{warm_s:.3f} | {left:.3f} | {left / (calls + 1) * 1e3:.1f} ms |")
+    print()
+    for wu, (a, b, sd, k) in fits.items():
+        print(f"Fit over the {k} configurations with a {wu} s warm-up: left = "
+              f"{a * 1e3:.1f} ms + {b * 1e3:.1f} ms x calls (residual sd {sd * 1e3:.1f} ms)")
+    a, b, _, _ = fits[WARMUP]  # the default warm-up's
+    # This tree: warm-up in two calls (one GEMM, then what 20 ms still needs), the window
+    # ending at its 0.5 s whatever the clocks do, the energy read only in the window.
+    total_all = total_window_only = 0.0
+    for probe in PLAN:
+        rs = groups[(probe, WINDOW, WARMUP)]
+        per = float(np.median([float(r["runtime_s"]) for r in rs]))
+        warm_s = max(WARMUP, 2 * per)
+        base = WINDOW + warm_s + max(a, 0.0) + CHECK_S / CHECK_EVERY
+        total_all += base + 3 * b
+        total_window_only += base + b
+        print(f"{probe}: window measured {np.median([float(r['window_s']) for r in rs]):.3f} s "
+              f"-> {WINDOW} s; warm-up {warm_s:.3f} s of GEMMs in 2 calls")
+    print(f"default plan, estimated per round: {total_window_only:.2f} s (only the window's "
+          f"call pays the {b * 1e3:.0f} ms) to {total_all:.2f} s (every call pays it), "
+          "before exploration")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
