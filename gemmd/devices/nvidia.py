@@ -49,7 +49,9 @@ logger = logging.getLogger(__name__)
 
 _MIN_CHUNK_S = 200e-6  # GPU time per CUDA-event pair (one graph launch) at least this long
 _MAX_CHUNK = 4096  # GEMMs per captured graph at most
-_QUEUE_S = 0.01  # GPU time queued ahead of it while a window's time bound is watched
+# GPU time kept queued ahead of the GPU while a window's time bound is watched (at most a
+# tenth of the window): a host that wakes late from its wait must not leave the GPU idle.
+_QUEUE_S = 0.05
 _MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 _CHECK_ROWS, _CHECK_COLS = 8, 256
 
@@ -477,7 +479,8 @@ class NvidiaDevice(Device):
             events = self._event_pool(n + 1)
             # Chunks kept queued ahead of the GPU while a time bound is watched.
             bound = max_s if max_s is not None and max_s > 0 else math.inf
-            lag = max(1, math.ceil(_QUEUE_S * n / bound)) if bound < math.inf else n
+            lag = max(1, math.ceil(min(_QUEUE_S, bound / 10) * n / bound)) \
+                if bound < math.inf else n
             watcher: Any = _EnergyWatcher(self.energy_j, clock=self._clock,
                                           ticker=self._ticker) if watch else \
                 contextlib.nullcontext()
