@@ -1254,6 +1254,7 @@ def probe_phases(ctx: Ctx, dev: Any) -> None:
         if took:
             rows.append({"what": f"host call {name}", "n": len(took),
                          "elapsed_s": float(np.median(took)), "max_s": max(took)})
+    rows.extend(call_overhead(dev))
     ctx.write_csv("phases.csv", rows)
     cols = ("prepare_s", "warmup_s", "before_window_s", "window_s", "after_window_s",
             "check_s")
@@ -1263,6 +1264,30 @@ def probe_phases(ctx: Ctx, dev: Any) -> None:
                      [(r["what"], r.get("n", "-"), fmt(_ms(r.get("elapsed_s")), ".2f"),
                        *(fmt(_ms(r.get(c)), ".2f") for c in cols),
                        fmt(_ms(r.get("max_s")), ".2f")) for r in rows]))
+
+
+def call_overhead(dev: Any, repeats: int = 10) -> list[dict[str, Any]]:
+    """Host time a device call costs beyond its GEMMs, one bf16 8192^3 GEMM a call (the
+    default plan's): the warm-up's run() (no energy counter) against the window's
+    run_observed() (the counter read and watched). plan_cost.csv's probes paid ~26 ms
+    a call (bench/call_overhead.py); which of the two pays it decides the plan's cost."""
+    from gemmd.gemm import ProbeSpec
+
+    spec, cancel = ProbeSpec(8192, 8192, 8192, dtype="bf16"), threading.Event()
+    dev.prepare(spec)
+    dev.run(spec, 2, cancel)  # the chunk's calibration, outside the figures
+    calls = {"run (warm-up)": lambda: dev.run(spec, 1, cancel),
+             "run_observed (window)": lambda: dev.run_observed(spec, 1, cancel).times}
+    rows = []
+    for name, call in calls.items():
+        over = []
+        for _ in range(repeats):  # on the device's clock (the fake's is simulated)
+            t0 = dev.clock()
+            times = call()
+            over.append(dev.clock() - t0 - sum(times))
+        rows.append({"what": f"call overhead, {name}", "n": repeats,
+                     "elapsed_s": float(np.median(over)), "max_s": max(over)})
+    return rows
 
 
 def _ms(x: Any) -> float | None:

@@ -46,6 +46,11 @@ def test_gpu_accept_runs_on_the_fake_backend(tmp_path):
         assert rows, name
     stats = list(csv.DictReader(io.StringIO(files["noise_stats.csv"])))
     assert {"excess_kurtosis", "max_dev_robust_sd", "outliers_per_100"} <= set(stats[0])
+    # Where a probe's time goes: phases, host reads, and what a call costs beyond its GEMMs.
+    phases = {r["what"]: r for r in csv.DictReader(io.StringIO(files["phases.csv"]))}
+    for what in ("host call energy_j", "call overhead, run (warm-up)",
+                 "call overhead, run_observed (window)"):
+        assert float(phases[what]["elapsed_s"]) >= -1e-3, (what, phases[what])
     assert "SIGTERM: exit 0" in files["run.txt"] and "Resident memory" in files["run.txt"]
     assert files["SUMMARY.md"] == summary
 
