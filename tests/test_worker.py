@@ -52,6 +52,15 @@ def test_measures_in_the_child_process(worker):
     assert d.busy_reason() is None and d.context()["sm_clock_hz"] > 0
 
 
+def test_runs_reach_the_child_with_their_arguments(worker):
+    """run() and run_observed(max_s=) cross the pipe: what the child ran comes back."""
+    d = worker()
+    d.prepare(SPEC)
+    assert len(d.run(SPEC, 7, threading.Event())) == 7
+    run = d.run_observed(SPEC, 9, threading.Event(), max_s=0.5)
+    assert len(run.times) == 9 and run.t1 > run.t0 and run.e0 is not None
+
+
 def test_device_error_in_child_is_raised_in_parent_and_worker_survives(worker):
     d = worker(fail_on_call=1)
     pid = d.pid
