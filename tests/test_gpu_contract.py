@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import logging
+import math
 import re
 import threading
 import time
@@ -500,6 +501,49 @@ def test_a_window_sized_at_warm_up_clocks_ends_at_its_time_when_the_clocks_drop(
     # What it was sized for at the warm-up's clocks would have run 30% over.
     sized = iterations_for_window(m.runtime_s / 1.3, cfg.window_s, 3, 100_000)
     assert m.iterations < sized and sized * m.runtime_s > 1.25 * cfg.window_s
+
+
+def test_clocks_that_drop_late_in_the_window_are_paced_by_the_last_chunks(gpu):
+    """The GEMMs still queued are costed at the pace of the last chunks that ran, not the
+    window's average: clocks 30% slower 0.3 s into a 0.5 s window overshot by 13 ms, now
+    by at most a chunk or two. (What is queued when the slower chunks first end can't be
+    taken back: a drop in the window's last ~50 ms overshoots by the queue times it.)"""
+    dev = _device(gpu)
+    spec = ProbeSpec(256, 256, 256, "fp32")  # ~1.7 ms per GEMM on the stand-in: chunk 1
+    dev.prepare(spec)
+    dev.run(spec, 2, threading.Event())
+    per = 2 * 256**3 / gpu.flops_per_s
+    start = gpu.clock.now()
+    sid = []
+
+    def drop():
+        gpu.flops_per_s /= 1.3
+        gpu.clock.unsubscribe(sid[0])
+
+    sid.append(gpu.clock.subscribe(drop, 0.3))
+    run = dev.run_observed(spec, math.ceil(0.5 / per), threading.Event(), max_s=0.5)
+    assert gpu.clock.now() - start > 0.3  # the clocks did drop inside the window
+    assert 0.5 <= sum(run.times) <= 0.5 + 2 * (1.3 * per)
+
+
+def test_a_lost_gpu_fails_the_window_though_the_watcher_reads_first(gpu):
+    """The window's e0 is the watcher's first reading; where that failed (a GPU lost),
+    the counter is read again so that the run fails as it did, not a window without
+    energy."""
+    dev = _device(gpu, energy_mj=stepping_counter(300.0, gpu.clock))
+    spec = ProbeSpec(96, 96, 96, "fp32")
+    dev.run(spec, 3, threading.Event())
+    dev.h["lost"] = True
+    with pytest.raises(DeviceError, match="GPU is lost"):
+        dev.run_observed(spec, 10, threading.Event(), max_s=0.01)
+
+
+def test_a_slow_gemm_still_runs_min_iters(gpu):
+    """min_iters holds under the time bound: a 13 ms GEMM in a 20 ms window ran 2."""
+    dev = _device(gpu)
+    spec = ProbeSpec(640, 640, 320, "fp32")  # ~13 ms per GEMM on the stand-in
+    m = measure(dev, spec, MeasureConfig(window_s=0.02, warmup_s=0.0, min_iters=3))
+    assert m.runtime_s > 0.01 and m.iterations == 3
 
 
 def test_the_warm_up_reads_no_energy_counter_and_the_window_few(gpu):

@@ -142,12 +142,13 @@ class Device(abc.ABC):
         """
 
     def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
-                     max_s: float | None = None) -> Run:
+                     max_s: float | None = None, min_iters: int = 1) -> Run:
         """Like run(), with the energy counter read around the work and, where the device
         can watch it, its steps during the work. A device may round ``iterations`` up (to
         whole chunks); len(Run.times) is what ran. A device that sees its progress while
         it works (the NVIDIA backend) also stops once ``max_s`` seconds of GEMMs are
-        queued; the others, which time each GEMM as it ends, run the iterations."""
+        queued, but not before ``min_iters`` GEMMs; the others, which time each GEMM as it
+        ends, run the iterations."""
         e0, t0 = self.energy_j(), self.clock()
         times = self.run(spec, iterations, cancel)
         e1, t1 = self.energy_j(), self.clock()
@@ -273,7 +274,8 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
                                   cfg.min_iters, cfg.max_iters)
     warmed = device.clock()
     ctx_before = device.context()
-    run = device.run_observed(spec, iters, cancel, max_s=cfg.window_s)
+    run = device.run_observed(spec, iters, cancel, max_s=cfg.window_s,
+                              min_iters=cfg.min_iters)
     power_sample = device.power_w()
     if cancel.is_set():
         raise ProbeCancelled(spec.name)

@@ -273,9 +273,10 @@ class FakeDevice(Device):
         return times.tolist()
 
     def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
-                     max_s: float | None = None) -> Run:
+                     max_s: float | None = None, min_iters: int = 1) -> Run:
         """Counter steps inside the run, as a host polling every ~1 ms would see them. The
-        simulated GEMMs run the iterations asked for (``max_s`` is the NVIDIA backend's)."""
+        simulated GEMMs run the iterations asked for (the time bound is the NVIDIA
+        backend's)."""
         e0, start = self.energy_j(), self.clock()
         times = self.run(spec, iterations, cancel)
         e1, end = self.energy_j(), self.clock()

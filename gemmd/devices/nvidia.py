@@ -49,9 +49,10 @@ logger = logging.getLogger(__name__)
 
 _MIN_CHUNK_S = 200e-6  # GPU time per CUDA-event pair (one graph launch) at least this long
 _MAX_CHUNK = 4096  # GEMMs per captured graph at most
-# GPU time kept queued ahead of the GPU while a window's time bound is watched (at most a
-# tenth of the window): a host that wakes late from its wait must not leave the GPU idle.
-_QUEUE_S = 0.05
+# GPU time kept queued ahead of the GPU while a window's time bound is watched (a tenth
+# of a shorter window, never under 5 ms): a host that wakes late from its wait must not
+# leave the GPU idle.
+_QUEUE_S, _QUEUE_MIN_S = 0.05, 0.005
 _MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 _CHECK_ROWS, _CHECK_COLS = 8, 256
 
@@ -405,7 +406,8 @@ class NvidiaDevice(Device):
         lifetime), then one timed directly; if under ``_MIN_CHUNK_S``, graphs of growing
         chunks, each launched once untimed (the upload) then three times back to back,
         until the chunk stops growing. A cold or lone launch includes launch latency and
-        would size the chunk too small. Runs inside ``run_observed``'s context."""
+        would size the chunk too small. Runs inside ``_run``'s context (the warm-up's
+        first call, as a rule)."""
         get_time = self.cp.cuda.get_elapsed_time
         a, b, c, d = self._event_pool(4)
         launch = self._launcher(spec, bufs)
@@ -438,15 +440,15 @@ class NvidiaDevice(Device):
         return chunk
 
     def run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event) -> list[float]:
-        """The warm-up's GEMMs: timed with events, without the energy counter. On the
-        H200 each call cost ~26 ms of host time beyond its GEMMs (bench/call_overhead.py, 15
-        configurations, 3-8 calls each), the energy reads and their watcher the suspects;
-        the warm-up has no use for them, and the window no longer depends on its sizing
-        being exact (``max_s``)."""
+        """The warm-up's GEMMs: timed with events, without the energy counter or its
+        watcher. On the H200 each call cost ~26 ms of host time beyond its GEMMs
+        (bench/call_overhead.py), and the watcher and the counter's reads are what only
+        calls had; the warm-up has no use for them, and the window no longer depends on
+        its sizing being exact (``max_s``)."""
         return self._run(spec, iterations, cancel, watch=False, max_s=None).times
 
     def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
-                     max_s: float | None = None) -> Run:
+                     max_s: float | None = None, min_iters: int = 1) -> Run:
         """Back-to-back GEMMs on the probe stream, one graph launch per chunk of GEMMs and a
         CUDA event between chunks, the energy counter watched throughout.
 
@@ -455,14 +457,16 @@ class NvidiaDevice(Device):
         before ``t0``, and ``iterations`` is rounded up to whole chunks. With ``max_s``
         the run also ends once the GEMMs queued reach ``max_s`` of GPU time at the pace
         so far: the host stays ~``_QUEUE_S`` of work ahead of the GPU (never starving it)
-        and stops enqueuing there, so a window sized on warm-up clocks that then drop (the
-        H200's bf16 probe: 1980 -> 1530 MHz at its power cap, a 0.5 s window ran 0.577 s)
-        costs what it was configured to, give or take a chunk.
+        and stops enqueuing there (never before ``min_iters`` GEMMs), so a window sized on
+        warm-up clocks that then drop (the H200's bf16 probe: 1980 -> 1530 MHz at its
+        power cap, a 0.5 s window ran 0.577 s) costs what it was configured to, give or
+        take a chunk; it ends sooner where the iterations run out first.
         """
-        return self._run(spec, iterations, cancel, watch=self._has_counter, max_s=max_s)
+        return self._run(spec, iterations, cancel, watch=self._has_counter, max_s=max_s,
+                         min_iters=min_iters)
 
     def _run(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
-             watch: bool, max_s: float | None) -> Run:
+             watch: bool, max_s: float | None, min_iters: int = 1) -> Run:
         key = self._key(spec)
         bufs = self._bufs.get(key)
         if bufs is None:
@@ -477,16 +481,18 @@ class NvidiaDevice(Device):
             n = max(1, -(-iterations // chunk))
             replay = self._replay(spec, bufs, chunk)
             events = self._event_pool(n + 1)
-            # Chunks kept queued ahead of the GPU while a time bound is watched.
+            # While a time bound is watched: queue (GPU seconds kept ahead of the GPU) and
+            # lag (that many chunks, at the planned pace first, at the measured one later).
             bound = max_s if max_s is not None and max_s > 0 else math.inf
-            lag = max(1, math.ceil(min(_QUEUE_S, bound / 10) * n / bound)) \
-                if bound < math.inf else n
+            queue = max(_QUEUE_MIN_S, min(_QUEUE_S, bound / 10))
+            lag = max(1, math.ceil(queue * n / bound)) if bound < math.inf else n
             watcher: Any = _EnergyWatcher(self.energy_j, clock=self._clock,
                                           ticker=self._ticker) if watch else \
                 contextlib.nullcontext()
             with watcher as w:
-                # The watcher's first reading is the window's start: one NVML read fewer.
-                e0 = w.first if w is not None else None
+                # The watcher's first reading is the window's start: one NVML read fewer
+                # (read again where it failed, so that a failing counter fails the run).
+                e0 = (w.first if w.error is None else self.energy_j()) if w is not None else None
                 t0 = self._clock()
                 events[0].record(self.stream)
                 done = 0
@@ -497,11 +503,17 @@ class NvidiaDevice(Device):
                     if cancel.is_set():
                         break
                     j = done - lag  # the boundary to wait for: lag chunks stay queued
-                    if j >= 1 and done < n:
+                    if j >= 1 and done < n and done * chunk >= min_iters:
                         events[j].synchronize()
                         ran = get_time(events[0], events[j]) / 1e3
-                        if ran * done / j >= bound:
-                            break  # what is queued fills the window at this pace
+                        # The pace of the last chunks that ran (clocks may have dropped
+                        # since the first), for what is still queued.
+                        k = max(0, j - lag)
+                        pace = get_time(events[k], events[j]) / 1e3 / (j - k)
+                        if ran + (done - j) * pace >= bound:
+                            break  # what is queued fills the window
+                        if pace > 0:
+                            lag = max(lag, math.ceil(queue / pace))
                 events[done].synchronize()
                 t1 = self._clock()
                 e1 = self.energy_j() if watch else None

@@ -80,8 +80,9 @@ def _serve(conn: Any, factory: Callable[[], Device]) -> None:
                 spec, iterations = args
                 result = dev.run(spec, iterations, threading.Event())
             elif method == "run_observed":
-                spec, iterations, max_s = args
-                result = dev.run_observed(spec, iterations, threading.Event(), max_s=max_s)
+                spec, iterations, max_s, min_iters = args
+                result = dev.run_observed(spec, iterations, threading.Event(), max_s=max_s,
+                                          min_iters=min_iters)
             else:
                 result = getattr(dev, method)(*args)
             conn.send(("ok", result))
@@ -233,8 +234,8 @@ class WorkerDevice(Device):
         return self._call("run", spec, iterations, cancel=cancel)
 
     def run_observed(self, spec: ProbeSpec, iterations: int, cancel: threading.Event, *,
-                     max_s: float | None = None) -> Run:
-        return self._call("run_observed", spec, iterations, max_s, cancel=cancel)
+                     max_s: float | None = None, min_iters: int = 1) -> Run:
+        return self._call("run_observed", spec, iterations, max_s, min_iters, cancel=cancel)
 
     def clock(self) -> float:
         """The parent's monotonic clock (the real backends' clock too: it is system-wide),
