@@ -45,6 +45,19 @@ def old_warm_up(per: float, warmup_s: float, chunk: int, warmup_iters: int = 2
     return calls, n * per
 
 
+def new_warm_up(per: float, warmup_s: float, chunk: int, warmup_iters: int = 2
+                ) -> tuple[int, float]:
+    """(calls, GPU seconds) of this tree's warm-up (gemmd/devices/base.py): one GEMM,
+    then 10% over what is still needed, at most 128x the GEMMs so far, whole chunks."""
+    n, batch, calls = 0, 1, 0
+    while n < warmup_iters or n * per < warmup_s:
+        n += -(-batch // chunk) * chunk
+        calls += 1
+        by_time = math.ceil(1.1 * (warmup_s - n * per) / per)
+        batch = max(1, min(n * 128, max(warmup_iters - n, by_time)))
+    return calls, n * per
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", nargs="?", default=str(DEFAULT))
@@ -82,18 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Fit over the {k} configurations with a {wu} s warm-up: left = "
               f"{a * 1e3:.1f} ms + {b * 1e3:.1f} ms x calls (residual sd {sd * 1e3:.1f} ms)")
     a, b, _, _ = fits[WARMUP]  # the default warm-up's
-    # This tree: warm-up in two calls (one GEMM, then what 20 ms still needs), the window
-    # ending at its 0.5 s whatever the clocks do, the energy read only in the window.
+    # This tree: the warm-up of new_warm_up, the window ending at its 0.5 s (give or
+    # take a chunk) whatever the clocks do, the energy counter read only in the window.
     total_all = total_window_only = 0.0
     for probe in PLAN:
         rs = groups[(probe, WINDOW, WARMUP)]
         per = float(np.median([float(r["runtime_s"]) for r in rs]))
-        warm_s = max(WARMUP, 2 * per)
+        calls, warm_s = new_warm_up(per, WARMUP, chunk_size(per))
         base = WINDOW + warm_s + max(a, 0.0) + CHECK_S / CHECK_EVERY
-        total_all += base + 3 * b
+        total_all += base + (calls + 1) * b
         total_window_only += base + b
         print(f"{probe}: window measured {np.median([float(r['window_s']) for r in rs]):.3f} s "
-              f"-> {WINDOW} s; warm-up {warm_s:.3f} s of GEMMs in 2 calls")
+              f"-> {WINDOW} s; warm-up {warm_s:.3f} s of GEMMs in {calls} calls")
     print(f"default plan, estimated per round: {total_window_only:.2f} s (only the window's "
           f"call pays the {b * 1e3:.0f} ms) to {total_all:.2f} s (every call pays it), "
           "before exploration")
