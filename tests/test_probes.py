@@ -298,6 +298,23 @@ def test_a_cold_first_gemm_does_not_size_the_window(simulated_fake_clock, monkey
     assert m.window_s == pytest.approx(0.1, rel=0.1)
 
 
+def test_the_fake_gpus_noise_does_not_follow_the_hosts_speed(simulated_fake_clock):
+    """How many energy steps a window holds depends on the host's time (a loaded machine
+    spends more of it between calls); the steps' polling latency drew from the GEMMs'
+    random stream, so a slow host changed every later runtime of a seeded fake GPU (a
+    daemon test saw 3 of 6 rounds pooled under CPU burners)."""
+    spec = ProbeSpec(4096, 4096, 4096, "bf16")
+    runs = []
+    for host_s in (0.0, 0.05):
+        dev = fake(seed=3, noise=0.02)
+        simulated_fake_clock.advance(host_s)  # the host's own time before the window
+        first = dev.run_observed(spec, 2000, threading.Event())
+        runs.append((len(first.steps), dev.run(spec, 50, threading.Event())))
+    (steps_a, a), (steps_b, b) = runs
+    assert steps_a != steps_b  # the windows did hold different numbers of steps
+    assert a == b
+
+
 @pytest.mark.parametrize("dtype,size", [("bf16", 4096), ("bf16", 8192), ("fp32", 4096)])
 def test_the_warm_up_takes_two_calls(simulated_fake_clock, monkeypatch, dtype, size):
     """Each call of a real GPU's warm-up costs host time beyond its GEMMs (~26 ms on the

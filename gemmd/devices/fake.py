@@ -142,6 +142,9 @@ class FakeDevice(Device):
             sm_count=self.model.sm_count, memory_bytes=self.model.memory,
             power_limit_w=self.model.tdp_w, extra={"simulated": True})
         self._rng = np.random.default_rng([seed, index])
+        # The polling latency of the counter's steps draws apart: how many steps a window
+        # holds depends on the host's speed, which must not shift the GEMMs' noise.
+        self._poll_rng = np.random.default_rng([seed, index, 1])
         # Sibling cards differ a little (silicon lottery), fixed per device.
         self._offset = float(np.exp(self._rng.normal(0.0, 0.01)))
         self._noise = noise
@@ -285,7 +288,7 @@ class FakeDevice(Device):
         with self._lock:
             j = first
             while (b := self._start + j * _ENERGY_STEP_S) <= end:
-                latency = float(self._rng.uniform(0.0, 0.001))
+                latency = float(self._poll_rng.uniform(0.0, 0.001))
                 steps.append((b + latency, self._energy_at(b)))
                 j += 1
         return Run(times, start, end, e0, e1, steps)
