@@ -115,8 +115,7 @@ def day_rows(cfg: Any, devices: list[FakeDevice], day: int, rng: np.random.Gener
         for d, plan in zip(devices, plans):
             todo = [(s, "sentinel") for s in plan] + [
                 (s, "exploration") for s in exploration_specs(
-                    cfg.probes.exploration, d, rng,
-                    [r % g.every_rounds == 0 for g in cfg.probes.exploration])]
+                    [g for g in cfg.probes.exploration if r % g.every_rounds == 0], d, rng)]
             for j, (spec, kind) in enumerate(todo):
                 base, util = simulated_runtime(d.model, spec)
                 iters = int(min(max(1.0 / base, 3), 100_000))

@@ -52,15 +52,13 @@ def build_plan(groups: Sequence[ProbeGroup], device: Device) -> tuple[list[Probe
 
 
 def exploration_specs(groups: Sequence[ExplorationConfig], device: Device,
-                      rng: np.random.Generator, due: Sequence[bool] | None = None
-                      ) -> list[ProbeSpec]:
+                      rng: np.random.Generator) -> list[ProbeSpec]:
     """Random supported specs for this round from every group that applies to the device
-    and is ``due`` (per group; default: all; DeviceRunner makes a group due every
-    ``every_rounds`` rounds, and keeps it due until its draws have run)."""
+    (DeviceRunner passes the groups due: one every ``every_rounds`` rounds, kept due until
+    its draws have run)."""
     out: list[ProbeSpec] = []
-    for i, g in enumerate(groups):
-        if (not g.backends or device.info.backend in g.backends) and \
-                (due is None or due[i]):
+    for g in groups:
+        if not g.backends or device.info.backend in g.backends:
             out.extend(_explore(g, device, rng))
     return out
 
