@@ -402,9 +402,8 @@ class TransferModel:
                     idx, var, extra_sz = idx[~probed], var[~probed], extra_sz[~probed]
                 # the calibrated prior (its factor only where it is the chosen recipe)
                 c = scale[idx] if choice == "calibrated" else self._row_scale(
-                    target, "calibrated", t["kernel"][idx], self.meta.get(
-                        "transfer", {}).get("cv", {}).get(target, {}).get(
-                        "calibrated", {}).get("scale", 1.0))
+                    target, "calibrated", t["kernel"][idx],
+                    self._cv_record(target, "calibrated").get("scale", 1.0))
                 sd[idx] = np.sqrt(var + extra_sz) * c
                 zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
                     self.meta.get("interval", 0.9)) / 2)
@@ -423,12 +422,16 @@ class TransferModel:
         bounds.clip(res, t)
         return res
 
+    def _cv_record(self, target: str, recipe: str) -> dict[str, Any]:
+        """What the fit's cross-validation over the probes found for ``recipe`` on
+        ``target`` (``meta["transfer"]["cv"]``), or {}."""
+        return self.meta.get("transfer", {}).get("cv", {}).get(target, {}).get(recipe, {})
+
     def _row_scale(self, target: str, recipe: str, kernels: np.ndarray, default: float
                    ) -> np.ndarray:
         """Per row (its ``kernels``): the interval factor cross-validation found for
         ``recipe`` on that kernel (``by_kernel``), else ``default`` (over all kernels)."""
-        by = self.meta.get("transfer", {}).get("cv", {}).get(target, {}).get(
-            recipe, {}).get("by_kernel") or {}
+        by = self._cv_record(target, recipe).get("by_kernel") or {}
         if not by:
             return np.full(len(kernels), default, dtype=float)
         names, inv = np.unique(np.asarray(kernels).astype(str), return_inverse=True)
