@@ -249,7 +249,9 @@ def parse_name(name: str) -> tuple[str, str, float | None, set[str]]:
     """(family, form, memory GB, hints) of a GPU name as NVML or a tool prints it.
 
     'NVIDIA A100-SXM4-80GB' -> ('a100', 'sxm', 80, {}); 'NVIDIA H100 80GB HBM3' ->
-    ('h100', '', 80, {'hbm3'}); 'NVIDIA RTX 6000 Ada Generation' -> ('rtx6000ada', ...).
+    ('h100', '', 80, {'hbm3'}); 'NVIDIA RTX 6000 Ada Generation' -> ('rtx6000ada', ...);
+    'a100-pcie-40' -> ('a100', 'pcie', 40, {}) (a bare number after a model number is its
+    memory).
     A MIG suffix ('... MIG 1g.10gb') is ignored.
     """
     text = re.split(r"\bmig\b", name.lower())[0]
@@ -262,6 +264,11 @@ def parse_name(name: str) -> tuple[str, str, float | None, set[str]]:
         if m or (tok.isdigit() and i + 1 < len(tokens) and tokens[i + 1] == "gb"):
             mem = float(m[1] if m else tok)
             i += 1 if m else 2
+            continue
+        if tok.isdigit() and family and any(c.isdigit() for c in family[-1]) \
+                and 4 <= int(tok) <= 512:
+            mem = float(tok)  # 'a100-80', 'v100_16': a size after a model number
+            i += 1
             continue
         f = next((v for p, v in _FORMS if re.fullmatch(p + r"\d*(express)?", tok)), None)
         if f:

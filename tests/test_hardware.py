@@ -37,6 +37,9 @@ from gemmd.records import DeviceInfo
     ("rtx4070", "rtx4070"), ("b200", "b200"), ("h100-sxm", "h100-sxm"), ("mi355x", "mi355x"),
     ("B200-SXM-192GB", "b200"), ("sm_90", "h100-sxm"), ("sm_100_B200", "b200"),
     ("gfx950", "mi355x"), ("h100", "h100-sxm"), ("A100", "a100-sxm-80gb"),
+    # a bare size after the model number, as file names and spreadsheets write it
+    ("a100_40", "a100-sxm-40gb"), ("a100-pcie-80", "a100-pcie-80gb"),
+    ("v100 pcie 16", "v100-pcie-16gb"), ("rtx 4070 12", "rtx4070"),
 ])
 def test_names_as_tools_print_them(name, key):
     spec = hardware.lookup(name)
