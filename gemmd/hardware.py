@@ -256,7 +256,8 @@ def parse_name(name: str) -> tuple[str, str, float | None, set[str]]:
     """
     text = re.split(r"\bmig\b", name.lower())[0]
     tokens = [t for t in re.split(r"[^a-z0-9]+", text) if t]
-    family, form, mem, hints = [], "", None, set()
+    family: list[str] = []
+    form, mem, hints = "", None, set()
     i = 0
     while i < len(tokens):
         tok = tokens[i]
