@@ -27,7 +27,12 @@ from gemmd.model.transfer import (
     cv_interval_scale,
     min_cv_rows,
 )
-from gemmd.model.validation import CAL_PROBES, LEVEL_N0_GRID, _validate_calibration
+from gemmd.model.validation import (
+    CAL_PROBES,
+    LEVEL_N0_GRID,
+    _choose_transfer,
+    _validate_calibration,
+)
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
 H100 = datasets.KNOWN_GPUS["h100-sxm"]
@@ -518,3 +523,22 @@ def test_each_kernel_gets_the_interval_its_own_errors_need(fleet):
                          ("tiled", rows(H100, 400, 87, 0.45 / 30, ("fp32",), noise=0.4,
                                         kernel="tiled"))):
         assert 0.85 <= coverage(tm.predict_table(test), test) <= 0.95, kernel
+
+
+def test_the_transfer_chosen_is_no_worse_than_the_roofline_on_any_held_out_gpu():
+    """The setting with the best mean can hide one held-out GPU it makes worse than the
+    roofline estimate: a safe setting is preferred; where none is safe, the one whose
+    worst GPU fares best."""
+    grid = ((0.0, 0.0), (0.0, 0.5), (0.5, 0.0))
+    roof = [0.4, 0.4, 0.4]
+    err = {(0.0, 0.0): [0.3, 0.3, 0.3], (0.0, 0.5): [0.1, 0.1, 0.45],
+           (0.5, 0.0): [0.3, 0.2, 0.39]}
+    assert _choose_transfer(grid, err, roof) == (0.5, 0.0)  # safe, mean 0.74 of the roofline
+    err[(0.5, 0.0)] = [0.3, 0.2, 0.41]
+    assert _choose_transfer(grid, err, roof) == (0.0, 0.0)  # the only safe one
+    unsafe = {(0.0, 0.0): [0.5, 0.5, 0.3], (0.0, 0.5): [0.1, 0.1, 0.9],
+              (0.5, 0.0): [0.45, 0.45, 0.45]}
+    assert _choose_transfer(grid, unsafe, roof) == (0.5, 0.0)  # worst 1.125x, not 2.25x
+    # a tie with the roofline (a kernel no other GPU ran: every setting falls back to it)
+    tie = {c: [0.3413, 0.2] for c in grid}
+    assert _choose_transfer(grid, tie, [0.3413, 0.4]) == (0.0, 0.0)
