@@ -14,7 +14,7 @@ from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
-from gemmd.model.domain import TRANSFER_GRID
+from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.offsets import LEVEL_N0_DEFAULT, _robust_offsets, interval_scale, level_n0
 from gemmd.model.persistence import MODEL_FORMAT
 from gemmd.model.space import LAUNCH_S
@@ -30,6 +30,8 @@ from gemmd.model.transfer import (
 from gemmd.model.validation import (
     CAL_PROBES,
     LEVEL_N0_GRID,
+    LOGO_MAX_GPUS,
+    LOGO_TRUST_GPUS,
     _choose_transfer,
     _validate_calibration,
 )
@@ -542,3 +544,20 @@ def test_the_transfer_chosen_is_no_worse_than_the_roofline_on_any_held_out_gpu()
     # a tie with the roofline (a kernel no other GPU ran: every setting falls back to it)
     tie = {c: [0.3413, 0.2] for c in grid}
     assert _choose_transfer(grid, tie, [0.3413, 0.4]) == (0.0, 0.0)
+
+
+def test_from_nine_gpu_models_their_own_spread_sets_the_gpu_widening():
+    """Below LOGO_TRUST_GPUS GPU models left out, the "gpu" widening is never under
+    OOD_SD's; from that many, what they showed is used alone. The number left out was
+    capped below that (6 of 9), so a fleet model never reached it."""
+    keys = ["a100-sxm-80gb", "a100-pcie-40gb", "h100-sxm", "h100-pcie", "h200", "l40s",
+            "l4", "a40", "b200"]
+    assert LOGO_MAX_GPUS >= LOGO_TRUST_GPUS == len(keys)
+    model = ForestModel.fit_table(features.concat([
+        rows(datasets.KNOWN_GPUS[k], 60, 40 + i, 0.7, ("bf16", "fp16"))
+        for i, k in enumerate(keys)]), CFG)
+    rec = model.meta["logo"]["runtime"]
+    assert sorted(rec["gpus"]) == sorted(keys)
+    # every GPU at the same level, with the same shape: what carries over is close
+    assert rec["gpu_sd"] < OOD_SD["runtime"]["gpu"]
+    assert model.ood_sd("runtime")["gpu"] == pytest.approx(rec["gpu_sd"])

@@ -44,7 +44,8 @@ from gemmd.model.space import runtime_reference, to_model_space
 VALIDATION_TREES = 20  # trees of each forest fitted to validate (leave-one-GPU-out, sizes)
 VALIDATION_TRAIN_MAX = 5_000  # configurations such a forest is fitted on, at most
 VALIDATION_TEST_MAX = 1_500  # rows it is judged on, at most
-LOGO_MAX_GPUS = 6  # GPU models left out in turn, at most (those with the most rows)
+LOGO_MAX_GPUS = 12  # GPU models left out in turn, at most (those with the most rows):
+# no fewer than LOGO_TRUST_GPUS, or what they show would never be trusted alone
 LOGO_MIN_ROWS = 20  # rows a GPU model needs to be left out and judged
 LOGO_TRUST_GPUS = 9  # GPU models left out before their spread alone sets the "gpu" widening
 # The least widening per factor of 2 beyond the trained sizes, whatever the folds found
