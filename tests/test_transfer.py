@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+from statistics import NormalDist
 
 import numpy as np
 import pytest
@@ -15,17 +17,17 @@ from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
 from gemmd.model.domain import OOD_SD, TRANSFER_GRID
+from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
 from gemmd.model.offsets import LEVEL_N0_DEFAULT, _robust_offsets, interval_scale, level_n0
 from gemmd.model.persistence import MODEL_FORMAT
 from gemmd.model.space import LAUNCH_S
 from gemmd.model.transfer import (
     BLEND_WEIGHTS,
     CHOICES,
-    NARROW_LO,
     _fit_trees,
     _select,
-    cv_interval_scale,
-    min_cv_rows,
+    cv_max_rows,
+    first_cv_probes,
 )
 from gemmd.model.validation import (
     CAL_PROBES,
@@ -449,11 +451,23 @@ def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior):
     wide an interval must be: one wild probe among five left the calibrated interval 4x
     wider before; the posterior interval stands. From 9 they do."""
     assert min_cv_rows(0.9) == 9 and min_cv_rows(0.8) == 4
-    probes = rows(H100, 6, 83, 0.45)
+    probes = rows(H100, 8, 83, 0.45)
     probes.cols["runtime_s"][0] *= 8
     tm = TransferModel.fit(prior, probes, CFG)
-    assert tm.cv_scale["runtime"] == 1.0
-    assert all(r["scale"] == 1.0 for r in tm.meta["transfer"]["cv"]["runtime"].values())
+    assert tm.cv_scale.get("runtime", 1.0) == 1.0
+    # nothing it could find would be served: its folds are not fitted at all
+    assert first_cv_probes(0.9) == 9 and "cv" not in tm.meta["transfer"]
+    test = rows(H100, 100, 84, 0.45)
+    plain = TransferModel.fit(prior, probes, CFG, select=False).predict_table(test)
+    for k in ("point", "lo", "hi"):
+        assert np.array_equal(tm.predict_table(test)["runtime"][k], plain["runtime"][k])
+    # at 80% four out-of-fold errors hold the quantile: there it runs from 5 probes
+    cfg80 = dataclasses.replace(CFG, interval=0.8)
+    assert first_cv_probes(0.8) == 5
+    tm80 = TransferModel.fit(prior, probes.take(np.arange(6)), cfg80)
+    assert tm80.meta["transfer"]["cv"]["runtime"]["calibrated"]["n"] == 6
+    more = features.concat([probes, rows(H100, 1, 85, 0.45)])
+    assert TransferModel.fit(prior, more, CFG).meta["transfer"]["cv"]["runtime"]
 
 
 def test_the_calibrated_interval_is_scaled_as_leave_one_gpu_out_found(fleet):
@@ -561,3 +575,15 @@ def test_from_nine_gpu_models_their_own_spread_sets_the_gpu_widening():
     # every GPU at the same level, with the same shape: what carries over is close
     assert rec["gpu_sd"] < OOD_SD["runtime"]["gpu"]
     assert model.ood_sd("runtime")["gpu"] == pytest.approx(rec["gpu_sd"])
+
+
+def test_every_interval_setting_can_be_narrowed_by_the_probes_it_reads():
+    """The cross-validation read at most 2,000 probes; at model.interval 0.999 narrowing
+    needs 2,302 out-of-fold errors, so intervals there could only widen."""
+    z = NormalDist().inv_cdf(0.9995)
+    small = np.full(min_narrow_rows(0.999), 0.1 * z)
+    assert cv_interval_scale(small[:-1], 0.999, z, 8.0) == 1.0  # one fewer: never sure
+    assert cv_interval_scale(small, 0.999, z, 8.0) == NARROW_LO
+    for p in (0.5, 0.8, 0.9, 0.99, 0.999):
+        assert cv_max_rows(p) >= max(min_narrow_rows(p), min_cv_rows(p))
+    assert min_narrow_rows(0.9) == 22 and cv_max_rows(0.9) == 2000

@@ -31,7 +31,13 @@ from gemmd.model.domain import (
 )
 from gemmd.model.flat import _FLAT_MAX_ROWS, _FlatForest, _per_tree
 from gemmd.model.forest import ForestModel
-from gemmd.model.intervals import MAX_SAMPLES, _aggregate, conformal_quantile
+from gemmd.model.intervals import (
+    MAX_SAMPLES,
+    _aggregate,
+    cv_interval_scale,
+    min_cv_rows,
+    min_narrow_rows,
+)
 from gemmd.model.offsets import DeviceCalibration, _groups
 from gemmd.model.persistence import _configs
 from gemmd.model.repeats import shape_hashes
@@ -39,14 +45,12 @@ from gemmd.model.space import from_model_space, to_model_space
 from gemmd.records import DeviceInfo, Prediction
 
 MIN_GROUP_PROBES = 10  # probes of a dtype/kernel before trees on the probes predict it
-MIN_SELECT = 5  # probes before recipes on the device's own data are fitted (chosen by CV)
-MIN_RESIDUAL = 10  # probes before trees on the calibrated residuals are tried
+# Probes before the cross-validation over them runs, at least: it runs from the first
+# number that can change what is served (first_cv_probes: 9 at the nominal 90%).
+MIN_SELECT = 5
+MIN_RESIDUAL = 10  # probes in a fold's training before trees on the calibrated residuals
 CV_FOLDS = 5
 CV_MAX_ROWS = 2000  # cross-validation of the choice reads at most this many probes
-# The out-of-fold errors narrow an interval only where they cover the nominal share of
-# new rows with this probability (cv_interval_scale), and at most to this factor.
-NARROW_CONFIDENCE = 0.9
-NARROW_LO = 0.5
 CHOICES = ("calibrated", "residual", "own", "few", "blend")
 # "blend": the calibrated prior and the few-probe trees averaged in log space, the trees
 # weighted by one of these (the one cross-validation over the probes finds best): the
@@ -83,11 +87,12 @@ class TransferModel:
     leave-one-GPU-out chose, ForestModel.transfer_runtime); from one probe, the prior
     corrected by the device's calibration (a device-wide offset, then per dtype/kernel,
     shrunk toward the prior by the pseudo-count validation chose: calibrate); from
-    MIN_SELECT probes, a cross-validation over the probes (grouped by shape) that may
-    widen the calibrated prior's interval; from MIN_OVERRIDE probes, per target, the
-    recipe it finds better than the calibrated prior by SELECT_SE standard errors: the
-    few-probe trees ("few"), a blend of them with the calibrated prior ("blend"), the
-    calibrated prior plus trees on what it leaves unexplained ("residual") or gemmd's
+    first_cv_probes (9 at the nominal 90%), a cross-validation over the probes (grouped
+    by shape) that may widen or narrow the calibrated prior's interval; from MIN_OVERRIDE
+    probes, per target, the recipe it finds better than the calibrated prior by SELECT_SE
+    standard errors: the few-probe trees ("few"), a blend of them with the calibrated
+    prior ("blend"), the calibrated prior plus trees on what it leaves unexplained
+    ("residual", in the folds that train on MIN_RESIDUAL probes: from about 12) or gemmd's
     forest on the probes ("own"). A dtype/kernel the device has no probe of is predicted
     by the calibrated prior whatever the recipe, a kernel the prior never saw by the trees
     from MIN_GROUP_PROBES of it. Inside the physical bounds (gemmd.bounds). Same interface
@@ -144,7 +149,7 @@ class TransferModel:
         meta: dict[str, Any] = {"transfer": {"probes": n, "devices": sorted(cals)},
                                 "probe_configs": _configs(t)}
         devices = [d for j, d in enumerate(t.devices) if (t.device == j).any()]
-        if not select or n < MIN_SELECT:
+        if not select or n < first_cv_probes(cfg.interval):
             out = cls(prior, cals, choice, meta=meta)
             out.devices = devices
             return out
@@ -198,9 +203,9 @@ class TransferModel:
         errors of the paired difference."""
         from sklearn.model_selection import GroupKFold
 
-        if len(t) > CV_MAX_ROWS:
-            t = t.take(np.sort(np.random.default_rng(0).choice(len(t), CV_MAX_ROWS,
-                                                                replace=False)))
+        cap = cv_max_rows(cfg.interval)
+        if len(t) > cap:
+            t = t.take(np.sort(np.random.default_rng(0).choice(len(t), cap, replace=False)))
         gid = np.unique(shape_hashes(t), return_inverse=True)[1].ravel()
         folds = min(CV_FOLDS, len(np.unique(gid)))
         if folds < 2:
@@ -457,39 +462,19 @@ class TransferModel:
         return out
 
 
-def cv_interval_scale(scores: np.ndarray, p: float, z: float, hi: float) -> float:
-    """The factor on an interval's half-width (``z`` standard errors) that out-of-fold
-    ``scores`` (|log error| / the predicted standard error) say makes ``p`` of new rows
-    covered, within NARROW_LO..``hi``.
-
-    Wider on their split-conformal quantile: from min_cv_rows of them (fewer cannot say
-    how wide: one probe outside an interval of 5 would widen it 4x; 98-100% coverage of
-    the RTX 4070 and MI355X at 5 probes). Narrower only as far as they are sure of it:
-    to the order statistic that covers ``p`` of new rows with probability
-    NARROW_CONFIDENCE (the Beta law of a conformal quantile's coverage), so that a few
-    lucky folds do not narrow it (from 20 of the shared data's H100 probes, the plain
-    quantile's factors below 1 took coverage to 74-81%; from 50, to 80-93%), while many
-    probes do (200 of the RTX 4070's: 99.7% coverage at a factor of 1)."""
-    n = len(scores)
-    if n < min_cv_rows(p):
-        return 1.0
-    x = np.sort(np.asarray(scores, dtype=float))
-    q = conformal_quantile(x, p) / z
-    if q >= 1.0:
-        return float(min(q, hi))
-    from scipy.stats import beta  # with scikit-learn: fitting only
-
-    k = np.arange(1, n + 1)
-    sure = np.flatnonzero(beta.cdf(p, k, n + 1 - k) <= 1.0 - NARROW_CONFIDENCE)
-    if not len(sure):
-        return 1.0
-    return float(np.clip(x[sure[0]] / z, NARROW_LO, 1.0))
+def cv_max_rows(p: float) -> int:
+    """The probes the cross-validation reads at most: CV_MAX_ROWS, or as many as
+    narrowing needs at ``p`` (2,302 at 99.9%), so that no interval setting is left able
+    only to widen."""
+    return max(CV_MAX_ROWS, min_narrow_rows(p))
 
 
-def min_cv_rows(p: float) -> int:
-    """The fewest out-of-fold errors whose split-conformal quantile at ``p`` is one of
-    them (conformal_quantile: the ceil((n + 1) p)-th smallest of n)."""
-    return math.ceil(p / (1 - p) - 1e-9)
+def first_cv_probes(p: float) -> int:
+    """The fewest probes from which the cross-validation over them can change what is
+    served at interval ``p``: its interval factor needs min_cv_rows out-of-fold errors
+    (one per probe), another recipe MIN_OVERRIDE probes, a kernel the prior never saw
+    MIN_GROUP_PROBES of it. Below, its folds' fits were work for nothing."""
+    return max(MIN_SELECT, min(min_cv_rows(p), MIN_OVERRIDE, MIN_GROUP_PROBES))
 
 
 def unknown_kernel_groups(prior: ForestModel, t: Table) -> dict[str, list[str]]:
