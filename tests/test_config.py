@@ -129,6 +129,14 @@ INVALID = [
                  "fake.devices[0].slowdown_when_file", "is longer than the 255 allowed",
                  id="fake-slowdown-file-name-too-long"),
     pytest.param([1, 2], "<top>", "expected a mapping, got list", id="top-level-list"),
+    # settings that silently turned a part off (a helper's audit): the start-up step
+    # check needs 5 baseline rounds, the interval scale 3 trees, a shift must add up
+    pytest.param({"drift": {"baseline_probes": 4}}, "drift.baseline_probes",
+                 "below the minimum 5", id="baseline-too-short-for-its-check"),
+    pytest.param({"model": {"n_estimators": 2}}, "model.n_estimators",
+                 "below the minimum 3", id="too-few-trees-for-an-interval"),
+    pytest.param({"drift": {"shift": 0.05, "tolerance": 0.05}}, "drift.tolerance",
+                 "not below shift 0.05", id="tolerance-not-below-shift"),
 ]
 
 

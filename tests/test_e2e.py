@@ -198,7 +198,7 @@ def test_a_default_scrape_has_at_most_60_series_per_gpu(tmp_path, daemon_factory
             # The default plan and drift targets; rounds, fits and references fast.
             "schedule": {"probe_interval_s": 2, "refit_interval_s": 3600},
             "budget": {"duty_cycle": 1.0}, "model": {"min_samples": 12, "n_estimators": 10},
-            "drift": {"baseline_probes": 2},
+            "drift": {"baseline_probes": 5},
             "fake": {"devices": [{}, {}, {}]}})  # 3 of a model: peers to compare with
         d = daemon_factory(cfg)
 

@@ -514,7 +514,7 @@ def test_every_referenced_metric_exists_in_a_live_exposition(tmp_path, daemon_fa
     # Small baselines so that model, prediction and drift series all appear within seconds.
     cfg = write_config(tmp_path / "gemmd.yaml", **merge(FAST_FAKE, {
         "listen": {"port": port}, "state_dir": str(tmp_path / "state"),
-        "drift": {"baseline_probes": 2}, "metrics": {"profile": profile}}))
+        "drift": {"baseline_probes": 5}, "metrics": {"profile": profile}}))
     d = daemon_factory(cfg)
 
     recorded = {r["record"] for r in recording_rules()}

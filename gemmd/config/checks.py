@@ -219,6 +219,10 @@ def _cross_checks(obj: Any, path: str, errs: _Errors) -> None:
         _check_address(obj.address, _join(path, "address"), errs)
     if isinstance(obj, DriftConfig) and not obj.targets:
         errs.add(_join(path, "targets"), "must not be empty (runtime, power, energy)")
+    if isinstance(obj, DriftConfig) and obj.tolerance >= obj.shift:
+        errs.add(_join(path, "tolerance"),
+                 f"{obj.tolerance:g} is not below shift {obj.shift:g}: a change of shift "
+                 "would never add up to an alarm (0 turns the slow-level alarm off)")
     if isinstance(obj, Config):
         _check_config(obj, errs)
 

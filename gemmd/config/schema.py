@@ -143,7 +143,9 @@ class BudgetConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     min_samples: int = _f(30, min=2, max=10_000_000)
-    n_estimators: int = _f(100, min=1, max=5000)
+    # At least 3: the interval is scaled on configurations out of the bag of 3 trees or
+    # more (gemmd/model/intervals.py); with 1 or 2 it never was.
+    n_estimators: int = _f(100, min=3, max=5000)
     max_depth: int = _f(0, min=0, max=200)  # 0 = unlimited
     min_samples_leaf: int = _f(2, min=1, max=10000)
     # Most leaves per tree (0 = unlimited): bounds a forest's memory whatever the store
@@ -175,7 +177,10 @@ class DriftConfig:
     # Healthy results between false alarms of one CUSUM (a probe x target, or a device's
     # pooled statistic for a target), on average.
     arl0: float = _f(2e6, min=10.0, max=1e15)
-    baseline_probes: int = _f(10, min=2, max=10000)
+    # At least 5: the start-up step check compares rounds 4 on with the first 3 and
+    # alarms on two in a row (gemmd/drift/params.py BASE_FIRST, BASE_HITS); fewer left a
+    # step at the baseline's edge to the later checks, or with 2 to none at start.
+    baseline_probes: int = _f(10, min=5, max=10000)
     min_scale: float = _f(0.01, min=0.0001, max=1.0)  # floor of the residual scale (log)
     accept_after_s: float = _f(0.0, min=0.0, max=1e9)  # 0 = wait for `gemmd rebaseline`
     targets: tuple[str, ...] = _f(("runtime", "power", "energy"),
