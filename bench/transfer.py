@@ -19,7 +19,8 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
 
     python bench/transfer.py [--data ../shared/data] [--probes 0,5,20,50,200] [--seeds 3]
                              [--trees 50] [--pairs] [--caps rtx4070=2000,...]
-                             [--coverage-only | --transfer-only] [--json out.json]
+                             [--coverage-only | --transfer-only | --defaults]
+                             [--json out.json]
                              [--markdown]
 
 Targets (issue 25; figures, not assertions): no prediction faster than physics;
@@ -203,6 +204,35 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
     return out
 
 
+def defaults(G: dict[str, Table], cfg: ModelConfig, seeds: int) -> dict:
+    """What leave-one-GPU-out's calibration validation (validation._validate_calibration)
+    chooses for a prior of one GPU model, which predicts a GPU it never saw by the default
+    transfer (the roofline estimate plus a launch: no forest level or shape carried),
+    judged on each shared GPU: the evidence behind offsets.LEVEL_N0_DEFAULT_BY_N (the
+    largest choice over the seeds, per number of probes)."""
+    from gemmd.model.offsets import RESID_SD0, _groups
+    from gemmd.model.validation import _validate_calibration
+
+    resid = []
+    for g, t in G.items():
+        # a GPU that ran the same kernels where one did (a kernel the prior never saw is
+        # calibrated by its own offset, not by this pseudo-count)
+        mine = set(t["kernel"].tolist())
+        other = max((h for h in G if h != g),
+                    key=lambda h: len(mine & set(G[h]["kernel"].tolist())))
+        prior = ForestModel.fit_table(G[other], cfg)
+        assert prior.transfer_setting() == (0.0, 0.0)  # one GPU model: the default
+        pred = prior.predict_table(t)["runtime"]["point"]
+        resid.append((np.log(t["runtime_s"] / pred), _groups(t)))
+    runs = [_validate_calibration(resid, RESID_SD0, seed, cfg.interval)
+            for seed in range(seeds)]
+    chosen = {n: max(r[0][n] for r in runs) for n in runs[0][0]}
+    for seed, (n0s, gain, scale) in enumerate(runs):
+        print(f"  seed {seed}: level worth {n0s} probes, error against none {gain}, "
+              f"interval scale {scale}", file=sys.stderr)
+    return {"runs": runs, "level_n0_by_n": chosen}
+
+
 # ------------------------------------------------------------------ output
 
 
@@ -290,6 +320,9 @@ def main() -> int:
     ap.add_argument("--trees", type=int, default=50, help="trees per forest (default 50)")
     ap.add_argument("--coverage-only", action="store_true")
     ap.add_argument("--transfer-only", action="store_true")
+    ap.add_argument("--defaults", action="store_true",
+                    help="only the level pseudo-counts a prior of one GPU model gets "
+                         "(offsets.LEVEL_N0_DEFAULT_BY_N), from the shared GPUs")
     ap.add_argument("--json", type=Path, help="write all figures here")
     ap.add_argument("--markdown", action="store_true", help="print tables in Markdown")
     args = ap.parse_args()
@@ -304,6 +337,10 @@ def main() -> int:
         CAPS[k] = int(v)
     G = per_gpu(args.data)
     res: dict = {"rows": {g: len(t) for g, t in G.items()}, "trees": args.trees}
+    if args.defaults:
+        res["defaults"] = defaults(G, cfg, args.seeds)
+        print(json.dumps(res["defaults"]["level_n0_by_n"]))
+        return 0
     if not args.transfer_only:
         res["coverage"] = coverage(G, cfg)
     if not args.coverage_only:

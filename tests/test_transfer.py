@@ -18,7 +18,12 @@ from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
 from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
-from gemmd.model.offsets import LEVEL_N0_DEFAULT, _robust_offsets, interval_scale, level_n0
+from gemmd.model.offsets import (
+    LEVEL_N0_DEFAULT_BY_N,
+    _robust_offsets,
+    interval_scale,
+    level_n0,
+)
 from gemmd.model.persistence import MODEL_FORMAT
 from gemmd.model.space import LAUNCH_S
 from gemmd.model.transfer import (
@@ -127,15 +132,20 @@ def test_dtype_kernel_and_size_outside_the_domain(prior):
 
 
 def test_a_few_probes_calibrate_a_new_gpu(prior):
+    """A prior of one GPU model (no leave-one-GPU-out evidence) on a GPU 1.8x slower than
+    it expects: 5 probes move its level as far as the shared data's validation found safe
+    (LEVEL_N0_DEFAULT_BY_N: never worse than none), 20 learn it (the probes' own trees,
+    chosen by cross-validation)."""
     test = rows(H100, 300, 3, 0.45)
-    probes = rows(H100, 5, 4, 0.45)
     before = mape(prior.predict_table(test), test)
-    tm = TransferModel.fit(prior, probes, CFG)
+    five = TransferModel.fit(prior, rows(H100, 5, 4, 0.45), CFG).predict_table(test)
+    assert mape(five, test) < 0.9 * before
+    res = TransferModel.fit(prior, rows(H100, 20, 4, 0.45), CFG).predict_table(test)
+    assert mape(res, test) < 0.25 * before and mape(res, test) < 0.15
+    assert coverage(res, test) >= 0.85
+    tm = TransferModel.fit(prior, rows(H100, 5, 4, 0.45), CFG)
     res = tm.predict_table(test)
-    assert mape(res, test) < 0.5 * before
-    assert mape(res, test) < 0.25
     assert res["runtime"]["in_domain"].all()  # 5 bf16 probes: bf16 on this GPU is known
-    assert coverage(res, test) >= 0.8
     other = tm.predict_table(rows(H100, 50, 5, 0.45, ("fp16",)))["runtime"]
     assert not other["in_domain"].any()
     assert set(other["domain"]) == {"no fp16 blas data on this GPU"}
@@ -443,7 +453,7 @@ def test_the_level_worth_is_validated_per_number_of_probes():
     assert level_n0(rec, 500) == pytest.approx(2.0)
     assert level_n0(rec, np.sqrt(250)) == pytest.approx(8.0)
     assert level_n0({"level_n0": 4.0}, 20) == 4.0  # a model saved before: its one value
-    assert level_n0({}, 20) == LEVEL_N0_DEFAULT
+    assert level_n0({}, 20) == pytest.approx(LEVEL_N0_DEFAULT_BY_N["20"])  # no evidence
 
 
 def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior):
@@ -587,3 +597,21 @@ def test_every_interval_setting_can_be_narrowed_by_the_probes_it_reads():
     for p in (0.5, 0.8, 0.9, 0.99, 0.999):
         assert cv_max_rows(p) >= max(min_narrow_rows(p), min_cv_rows(p))
     assert min_narrow_rows(0.9) == 22 and cv_max_rows(0.9) == 2000
+
+
+def test_five_probes_barely_move_a_one_gpu_prior_whose_level_is_right(prior):
+    """A prior of one GPU model has no leave-one-GPU-out evidence of how far a new GPU's
+    level lies from its estimate. Its level counted as 0.36 probes, and 5 probes of
+    shapes that scatter (heavy-tailed, as on the shared data) moved it by their noise:
+    worse than none on 9 of the shared data's 12 one-GPU pairs (H100 -> B200 27.8% ->
+    37.1%). Here the estimate's level is right: 5 probes cost 17% of MAPE then, under
+    6% now (MAPE is convex in the level: no move of a right level is free)."""
+    t = rows(H100, 400, 30, 0.45)
+    rng = np.random.default_rng(31)
+    pred = prior.predict_table(t)["runtime"]["point"]
+    t.cols["runtime_s"] = pred * np.exp(0.35 * rng.standard_t(3, len(t)))
+    none = mape(prior.predict_table(t), t)
+    errs = [mape(TransferModel.fit(prior, t.take(rng.choice(len(t), 5, replace=False)),
+                                   CFG).predict_table(t), t) for _ in range(20)]
+    assert np.mean(errs) <= 1.06 * none
+    assert level_n0({}, 5) == LEVEL_N0_DEFAULT_BY_N["5"] >= 16
