@@ -1056,7 +1056,7 @@ def test_the_runtime_drifts_by_the_configured_drift_section(tmp_path):
 
     cfg = _cfg(tmp_path)
     cfg = dataclasses.replace(cfg, drift=dataclasses.replace(cfg.drift, shift=0.2,
-                                                             baseline_probes=3))
+                                                             baseline_probes=5))
     rt = runtime.build(cfg)
     try:
         assert rt.state.drift.p is cfg.drift

@@ -10,6 +10,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
+import gemmd.model.transfer as transfer_mod
 from gemmd import bounds, datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
@@ -456,7 +457,7 @@ def test_the_level_worth_is_validated_per_number_of_probes():
     assert level_n0({}, 20) == pytest.approx(LEVEL_N0_DEFAULT_BY_N["20"])  # no evidence
 
 
-def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior):
+def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior, monkeypatch):
     """Fewer out-of-fold errors than the nominal share needs (9 at 90%) cannot say how
     wide an interval must be: one wild probe among five left the calibrated interval 4x
     wider before; the posterior interval stands. From 9 they do."""
@@ -467,10 +468,15 @@ def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior):
     assert tm.cv_scale.get("runtime", 1.0) == 1.0
     # nothing it could find would be served: its folds are not fitted at all
     assert first_cv_probes(0.9) == 9 and "cv" not in tm.meta["transfer"]
+    # ... and what is served is what the cross-validation would have left (run anyway)
     test = rows(H100, 100, 84, 0.45)
-    plain = TransferModel.fit(prior, probes, CFG, select=False).predict_table(test)
+    monkeypatch.setattr(transfer_mod, "first_cv_probes", lambda p: 5)
+    forced = TransferModel.fit(prior, probes, CFG)
+    monkeypatch.undo()
+    assert "cv" in forced.meta["transfer"]
     for k in ("point", "lo", "hi"):
-        assert np.array_equal(tm.predict_table(test)["runtime"][k], plain["runtime"][k])
+        assert np.array_equal(tm.predict_table(test)["runtime"][k],
+                              forced.predict_table(test)["runtime"][k])
     # at 80% four out-of-fold errors hold the quantile: there it runs from 5 probes
     cfg80 = dataclasses.replace(CFG, interval=0.8)
     assert first_cv_probes(0.8) == 5
@@ -599,6 +605,14 @@ def test_every_interval_setting_can_be_narrowed_by_the_probes_it_reads():
     assert min_narrow_rows(0.9) == 22 and cv_max_rows(0.9) == 2000
 
 
+def test_the_cross_validation_reads_as_many_probes_as_narrowing_needs(prior, monkeypatch):
+    """TransferModel's cross-validation reads cv_max_rows probes, not CV_MAX_ROWS: with
+    the cap lowered below what narrowing needs at 90% (22), it still reads 22."""
+    monkeypatch.setattr(transfer_mod, "CV_MAX_ROWS", 10)
+    tm = TransferModel.fit(prior, rows(H100, 30, 86, 0.45), CFG)
+    assert tm.meta["transfer"]["cv"]["runtime"]["calibrated"]["n"] == min_narrow_rows(0.9)
+
+
 def test_five_probes_barely_move_a_one_gpu_prior_whose_level_is_right(prior):
     """A prior of one GPU model has no leave-one-GPU-out evidence of how far a new GPU's
     level lies from its estimate. Its level counted as 0.36 probes, and 5 probes of
@@ -615,3 +629,23 @@ def test_five_probes_barely_move_a_one_gpu_prior_whose_level_is_right(prior):
                                    CFG).predict_table(t), t) for _ in range(20)]
     assert np.mean(errs) <= 1.06 * none
     assert level_n0({}, 5) == LEVEL_N0_DEFAULT_BY_N["5"] >= 16
+
+
+def test_power_probes_of_a_one_gpu_prior_keep_their_weight():
+    """The validated default pseudo-count is runtime's (bench/transfer.py --defaults
+    judges runtime): power on a new GPU keeps LEVEL_N0_DEFAULT, so that 5 power probes
+    still correct the level a one-GPU prior carries over (a review found them held at
+    32 probes' worth: 0.17 -> 0.14 power MAPE instead of 0.10)."""
+    prior = ForestModel.fit_table(with_power(rows(A100, 400, 0, 0.8, ("bf16", "fp16")), 1),
+                                  CFG)
+    test = with_power(rows(H100, 300, 3, 0.45), 4)
+
+    def pmape(res: dict) -> float:
+        return float(np.mean(np.abs(res["power"]["point"] / test["power_w"] - 1)))
+
+    none = pmape(prior.predict_table(test))
+    five = np.mean([pmape(TransferModel.fit(prior, with_power(rows(H100, 5, 100 + s, 0.45),
+                                                               200 + s), CFG).predict_table(test))
+                    for s in range(5)])
+    assert five < 0.7 * none
+    assert level_n0({}, 5, "power") == level_n0({}, 50, "energy") == 0.36

@@ -36,10 +36,10 @@ def _unknown_priors(prior: ForestModel, target: str, probes: float) -> tuple[flo
     calibration on ``probes`` probes: the scatter as leave-one-GPU-out measured it on the
     training data (else RESID_SD0), the level's spread that scatter over the square root
     of the pseudo-count that validation chose for that many probes (level_n0; else
-    LEVEL_N0_DEFAULT_BY_N): the prior's level counts as that many probes."""
+    LEVEL_N0_DEFAULT_BY_N, LEVEL_N0_DEFAULT): the prior's level counts as that many probes."""
     rec = (prior.meta.get("logo") or {}).get(target) or {}
     s0 = float(rec.get("shape_sd", RESID_SD0)) or RESID_SD0
-    return max(s0 / math.sqrt(level_n0(rec, probes)), LEVEL_SD_FLOOR), s0
+    return max(s0 / math.sqrt(level_n0(rec, probes, target)), LEVEL_SD_FLOOR), s0
 
 
 def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:

@@ -31,17 +31,24 @@ RESID_DOF0 = 3.0  # the weight of that guess, in probes
 # one-GPU-prior pairs (H100 -> B200 27.8% -> 37.1%); with these, on 2 (the RTX 4070's
 # prior, which never ran the others' kernel: such a kernel's offset is not this
 # pseudo-count's).
+# Runtime only: power and energy were not judged that way (their levels on a new GPU
+# keep LEVEL_N0_DEFAULT; with 32 probes' worth, 5 power probes of the B200 prior on the
+# RTX 4070 did worse than with it).
 LEVEL_N0_DEFAULT_BY_N = {"5": 32.0, "20": 64.0, "50": 64.0}
+LEVEL_N0_DEFAULT = 0.36
 
 
-def level_n0(rec: Mapping[str, Any], probes: float) -> float:
+def level_n0(rec: Mapping[str, Any], probes: float, target: str = "runtime") -> float:
     """The prior's level's worth in probes, on a GPU model it never saw, for a
     calibration on ``probes`` probes: leave-one-GPU-out's choice at that many
     (interpolated in log-log between the counts it judged, the nearest beyond them);
-    LEVEL_N0_DEFAULT_BY_N without that evidence (a model saved with one value: it)."""
+    without that evidence LEVEL_N0_DEFAULT_BY_N for runtime, LEVEL_N0_DEFAULT for the
+    other targets (a model saved with one value: it)."""
     by_n = rec.get("level_n0_by_n") or {}
     if not by_n and "level_n0" in rec:
         return float(rec["level_n0"])
+    if not by_n and target != "runtime":
+        return LEVEL_N0_DEFAULT
     by_n = by_n or LEVEL_N0_DEFAULT_BY_N
     ns = sorted((float(k), float(v)) for k, v in by_n.items())
     x = math.log(max(probes, 1.0))

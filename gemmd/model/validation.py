@@ -33,11 +33,11 @@ from gemmd.model.intervals import (
     conformal_quantile,
 )
 from gemmd.model.offsets import (
-    LEVEL_N0_DEFAULT_BY_N,
     RESID_DOF0,
     RESID_SD0,
     _groups,
     _robust_offsets,
+    level_n0,
 )
 from gemmd.model.space import runtime_reference, to_model_space
 
@@ -287,7 +287,7 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
             "roofline_mape": dict(zip(gpus, roof_err)) if target == "runtime" else {},
             "level_sd": float(np.sqrt(np.mean(np.square(levels)))),
             "shape_sd": shape_sd, "gpu_sd": float(np.clip(gpu_sd, 0.02, 3.0)),
-            "level_n0": n0s.get(str(CAL_PROBES[0]), LEVEL_N0_DEFAULT_BY_N[str(CAL_PROBES[0])]),
+            "level_n0": n0s.get(str(CAL_PROBES[0]), level_n0({}, CAL_PROBES[0], target)),
             "level_n0_by_n": n0s, "calibration_gain": gain,
             "interval_scale_by_n": cal_scale}
 
