@@ -339,6 +339,8 @@ def main() -> int:
     res: dict = {"rows": {g: len(t) for g, t in G.items()}, "trees": args.trees}
     if args.defaults:
         res["defaults"] = defaults(G, cfg, args.seeds)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1, default=float))
         print(json.dumps(res["defaults"]["level_n0_by_n"]))
         return 0
     if not args.transfer_only:
