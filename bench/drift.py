@@ -13,9 +13,11 @@
    the first round, baseline included; 95% upper bound), delays in rounds (120 s) with 95%
    confidence intervals (order statistics), shares with Wilson intervals.
    Noise models (built here, log units, per probe result): Gaussian ("iid"), Student-t
-   with 3 degrees of freedom scaled to the same standard deviation, outliers (one result
-   in 200 of a probe +10% or +30%: a neighbour's burst), AR(1) between rounds, a +-2% daily
-   cycle common to the GPU's probes (temperature), a common share of the variance, and
+   with 3 degrees of freedom scaled to the same standard deviation, one-sided noise (a
+   shifted exponential of that standard deviation: a GPU is only ever slowed), outliers
+   (one result in 200 of a probe +10% or +30%: a neighbour's burst), AR(1) between
+   rounds, a +-2% daily cycle common to the GPU's probes (temperature), a common share
+   of the variance, and
    "measured H200": the shape measured on an H200 (bench/results/2026-11-26-h200: a tight
    core, +0.7-1% excursions on the power-capped bf16 probe, lag-1 autocorrelation), at
    the default window's measured spread (bench/results/2026-11-26-h200-plan). Runtime gets
@@ -108,10 +110,11 @@ class Shape:
 @dataclasses.dataclass
 class Noise:
     """Log-residual noise of a GPU's probes, per round: ``sigma`` (runtime sd), ``dist``
-    normal or t3 (scaled to sd ``sigma``), AR(1) ``phi`` between rounds, a ``common`` share
-    of the variance shared by the GPU's probes, outliers (``out_rate`` per result of a
-    probe, +``out_size``), a daily ``cycle`` of that amplitude common to the GPU's probes,
-    ``power`` sd (iid); or ``measured``: per probe (runtime, power) shapes."""
+    normal, t3 or exp (one-sided: a shifted exponential; each scaled to sd ``sigma``),
+    AR(1) ``phi`` between rounds, a ``common`` share of the variance shared by the GPU's
+    probes, outliers (``out_rate`` per result of a probe, +``out_size``), a daily
+    ``cycle`` of that amplitude common to the GPU's probes, ``power`` sd (iid); or
+    ``measured``: per probe (runtime, power) shapes."""
 
     sigma: float = 0.01
     dist: str = "normal"
@@ -129,6 +132,7 @@ class Noise:
             return self.name
         out = f"{100 * self.sigma:g}%"
         out += ", t3" if self.dist == "t3" else ""
+        out += ", one-sided (exponential)" if self.dist == "exp" else ""
         out += f", AR(1) {self.phi:g}" if self.phi else ""
         out += f", {self.common:.0%} common" if self.common else ""
         if self.out_rate:
@@ -151,6 +155,8 @@ class Gen:
     def _base(self, shape: tuple[int, ...]) -> np.ndarray:
         if self.noise.dist == "t3":
             return self.rng.standard_t(3, shape) / math.sqrt(3)
+        if self.noise.dist == "exp":  # one-sided: only ever slower than usual, sd 1
+            return self.rng.exponential(1.0, shape) - 1.0
         return self.rng.normal(0, 1, shape)
 
     def draw(self) -> np.ndarray:
@@ -839,6 +845,7 @@ def main() -> int:
     healthy += [Noise(s, phi=phi) for phi in (0.5, 0.8, 0.95) for s in (0.01, 0.02)]
     healthy += [Noise(s, cycle=0.02) for s in (0.01, 0.02)]
     healthy += [Noise(0.02, common=0.7), Noise(0.05, common=0.7), h200]
+    healthy += [Noise(s, "exp") for s in (0.01, 0.02, 0.03)]  # last: the seeds above stay
     total_k, total_y = 0, 0.0
     for i, noise in enumerate(healthy):
         r = run_healthy(noise, G, days, nP, seed=100 + i)

@@ -34,11 +34,14 @@ FAST_K = 0.5
 # The pooled CUSUM, and every long-run scale, widen for misfit beyond this many standard
 # errors of it (a probe's own CUSUM for all of it).
 MISFIT_Z = 1.0
-# Heavy tails: a CUSUM's scale is widened until its innovations fall below -TAIL_Z as often
-# as Gaussian ones would (the share's lower bound at TAIL_SE standard errors).
+# Heavy tails: a CUSUM's scale is widened until its innovations fall beyond TAIL_Z, on the
+# side where they do more often, as often as Gaussian ones would (the share's lower bound
+# at TAIL_SE standard errors), at most TAIL_MAX times; the upper side only from TAIL_HI_N
+# in-control results (two hours: a slowdown's first result is one of them).
 TAIL_Z = 2.5
 TAIL_SE = 1.0
 TAIL_MAX = 2.0
+TAIL_HI_N = 60
 # Once settled, the pooled statistic's noise at this normal quantile's bound (90%; 99%
 # while young), its allowance raised by this many errors of its level (LEVEL_Z while young).
 DEVICE_CHI_Z = 1.2816

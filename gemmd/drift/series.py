@@ -29,6 +29,7 @@ from gemmd.drift.params import (
     NOISE_N,
     PHI_Z,
     RHO_MAX,
+    TAIL_HI_N,
     TAIL_MAX,
     TAIL_SE,
     TAIL_Z,
@@ -149,7 +150,7 @@ def start(baseline: np.ndarray, cut: Any = None) -> dict[str, np.ndarray]:
          "h": np.full(cols, np.nan), "k": np.full(cols, np.nan),
          "last_z": np.full(cols, np.nan), "last_u": np.full(cols, np.nan), "gain": z.copy(),
          "slow": z.copy(), "eu": z.copy(), "ev": z.copy(), "lcusum": z.copy(),
-         "tail": z.copy(), "tn": z.copy(), "wander": np.ones(cols)}
+         "tail": z.copy(), "tail_hi": z.copy(), "tn": z.copy(), "wander": np.ones(cols)}
     s["phi"] = _phi(s["cxx"], s["cxy"])
     return s
 
@@ -183,19 +184,29 @@ _TAIL_Q = np.array([statistics.NormalDist().inv_cdf(1 - p) for p in _TAIL_P])
 _GAUSS_TAIL = statistics.NormalDist().cdf(-TAIL_Z)
 
 
-def tail_factor(s: dict[str, np.ndarray]) -> np.ndarray:
-    """How much wider a series' scale must be for its innovations to fall below -TAIL_Z
-    as seldom as Gaussian ones: TAIL_Z over the Gaussian quantile of the share seen there
-    (its lower bound at TAIL_SE standard errors), between 1 and TAIL_MAX. Heavy tails (a
-    Student-t, say) leave the learnt scale too narrow for a CUSUM built on Gaussian ones:
-    it is learnt within LEARN_Z scales, where a t3 hides a third of its variance. The
-    lower tail only: a slowdown's first results are no tail (a speed-up, rarer and
-    reported, only widens it)."""
-    p, n = s["tail"], np.maximum(s["tn"], 1.0)
+def _tail_factor(p: np.ndarray, n: np.ndarray) -> np.ndarray:
     lo = p - TAIL_SE * np.sqrt(p * (1 - p) / n)
     q = np.interp(np.log(np.clip(lo, _TAIL_P[0], _TAIL_P[-1])), np.log(_TAIL_P), _TAIL_Q)
     return np.where(lo > _GAUSS_TAIL, np.clip(TAIL_Z / np.maximum(q, 1e-3), 1.0, TAIL_MAX),
                     1.0)
+
+
+def tail_factor(s: dict[str, np.ndarray]) -> np.ndarray:
+    """How much wider a series' scale must be for its innovations to fall beyond TAIL_Z
+    scales as seldom as Gaussian ones, on either side: TAIL_Z over the Gaussian quantile
+    of the share seen there (its lower bound at TAIL_SE standard errors), between 1 and
+    TAIL_MAX, the wider side's. Heavy tails (a Student-t, say) leave the learnt scale too
+    narrow for a CUSUM built on Gaussian ones: it is learnt within LEARN_Z scales, where
+    a t3 hides a third of its variance. The upper tail counts too: real noise is often
+    one-sided (a neighbour's burst, a busy host slow a GPU, nothing speeds it up), and
+    measured only on the lower side it looked Gaussian. Both shares are learnt from
+    in-control results only: of a slowdown, its first result at most. The upper side
+    counts only from TAIL_HI_N results: in a young track (12-15 results) two or three
+    above, the H200's own excursions and a slowdown's first result, widened the scale
+    1.6-2x, and its replayed clock cap went unseen."""
+    n = np.maximum(s["tn"], 1.0)
+    hi = np.where(n >= TAIL_HI_N, _tail_factor(s["tail_hi"], n), 1.0)
+    return np.maximum(_tail_factor(s["tail"], n), hi)
 
 
 def step(s: dict[str, np.ndarray], x: np.ndarray, *, gain: Any, floor: Any, learn: Any,
@@ -272,6 +283,8 @@ def step(s: dict[str, np.ndarray], x: np.ndarray, *, gain: Any, floor: Any, lear
     tn = np.where(calm, np.minimum(s["tn"] + 1.0, NOISE_N), s["tn"])
     s["tail"] = s["tail"] + np.where(calm, ((u < -TAIL_Z) - s["tail"]) /
                                      np.maximum(tn, 1.0), 0.0)
+    s["tail_hi"] = s["tail_hi"] + np.where(calm, ((u > TAIL_Z) - s["tail_hi"]) /
+                                           np.maximum(tn, 1.0), 0.0)
     s["tn"] = tn
     lv = gate & at_zero & np.asarray(learn_level) & (s["level_n"] < LEVEL_N)
     ln = np.where(lv, s["level_n"] + 1.0, s["level_n"])

@@ -18,7 +18,7 @@ from gemmd.gemm import ProbeSpec
 SERIES_FIELDS = ("reference", "level_n", "lx", "ly", "n", "mx", "my", "cxx", "cxy", "cyy",
                  "last", "prev", "scale", "phi", "cusum", "drifting", "since", "alarms",
                  "h", "k", "last_z", "last_u", "gain", "slow", "eu", "ev", "lcusum", "tail",
-                 "tn", "wander")
+                 "tail_hi", "tn", "wander")
 # A DeviceTrack keeps its pooled series' own alarm apart: its ``drifting``, ``since`` and
 # ``alarms`` are the device's alarm.
 _POOLED_NAMES = {"drifting": "fast", "since": "fast_since", "alarms": "fast_alarms"}
@@ -62,6 +62,7 @@ class Track:
     ev: float = 0.0  # they wander together than independent ones would (model misfit)
     lcusum: float = 0.0  # the lower CUSUM: evidence of a speed-up (stops learning; no alarm)
     tail: float = 0.0  # share of its in-control innovations below -TAIL_Z (heavy tails) ...
+    tail_hi: float = 0.0  # ... and above TAIL_Z ...
     tn: float = 0.0  # ... over this many results (at most NOISE_N)
     wander: float = 1.0  # its misfit as learnt over its reference period (then frozen)
     cut: int = 0  # baseline values before a step seen during the baseline (0: none)
