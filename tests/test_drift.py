@@ -519,6 +519,56 @@ def _run(mon, uuid, values, t0, specs=SPECS[:2], target="runtime", contexts=None
     return out
 
 
+def test_a_sentinel_removed_from_the_plan_leaves_no_track_behind(tmp_path):
+    """A sentinel removed from the configuration kept its tracks (saved, restored). After
+    a rebaseline they never had a result to be ready with, and the device's pooled
+    statistic, which starts once all its probes' tracks are, never re-armed: a 5%
+    slowdown went unseen (found by a campaign through DriftMonitor, issue 23)."""
+    rng = np.random.default_rng(49)
+    three, two = SPECS[:3], SPECS[:2]
+    mon = DriftMonitor(DriftConfig(targets=("runtime",)), tmp_path / "drift.json")
+    for t in range(40):
+        _round(mon, "g", rng.normal(0, 0.005, 3), t, specs=three)
+    mon.save()
+    mon = DriftMonitor(DriftConfig(targets=("runtime",)), tmp_path / "drift.json")
+    assert ("g", SPECS[2], "runtime") in mon.tracks  # restored as saved
+    mon.rebaseline("g", now=40)
+    for t in range(41, 80):
+        _round(mon, "g", rng.normal(0, 0.005, 2), t, specs=two)
+    assert set(mon.tracks) == {("g", s, "runtime") for s in two}
+    assert mon.devices["g"].targets["runtime"].ready()  # armed again
+    assert not any(SPECS[2] in per for per in mon._warm.get("g", {}).values())
+    raised = _run(mon, "g", rng.normal(0, 0.005, (10, 2)) + math.log(1.05), 80, specs=two)
+    assert raised and raised[0][0] - 80 + 1 <= 3, raised
+
+
+def test_a_probe_in_alarm_that_leaves_the_plan_clears_with_its_reason():
+    rng = np.random.default_rng(50)
+    three, two = SPECS[:3], SPECS[:2]
+    mon = DriftMonitor(DriftConfig(targets=("runtime",)))
+    for t in range(40):
+        _round(mon, "g", rng.normal(0, 0.005, 3), t, specs=three)
+    for t in range(40, 46):
+        _round(mon, "g", [*rng.normal(0, 0.005, 2), math.log(1.3)], t, specs=three)
+    assert mon.tracks[("g", SPECS[2], "runtime")].drifting
+    mon.drain()
+    _round(mon, "g", rng.normal(0, 0.005, 2), 46, specs=two)
+    cleared = [x for x in mon.drain() if x.kind == "clear" and x.spec == SPECS[2]]
+    assert cleared and cleared[0].detail["reason"] == "left the plan"
+    assert not any(tr.drifting for (u, s, t), tr in mon.tracks.items())
+
+
+def test_a_sentinel_added_to_a_running_plan_leaves_no_stale_warm_start():
+    rng = np.random.default_rng(51)
+    mon = DriftMonitor(DriftConfig(targets=("runtime",)))
+    for t in range(30):
+        _round(mon, "g", rng.normal(0, 0.005, 2), t, specs=SPECS[:2])
+    for t in range(30, 60):
+        _round(mon, "g", rng.normal(0, 0.005, 3), t, specs=SPECS[:3])
+    assert mon.tracks[("g", SPECS[2], "runtime")].ready()
+    assert not mon._warm.get("g", {}).get("runtime")
+
+
 @pytest.mark.parametrize("start", [4, 6, 9, 10, 11, 13])
 def test_a_step_at_the_end_of_the_baseline_is_not_absorbed(start):
     """20% slower from round ``start`` (1 = the first): caught within 4 rounds wherever the

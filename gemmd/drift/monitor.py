@@ -94,6 +94,9 @@ class DriftMonitor(Persistence):
         self._probe_raised: dict[str, set[str]] = {}
         # Baselines just completed (per device and target): the pooled statistic's start.
         self._warm: dict[str, dict[str, dict[ProbeSpec, tuple[list[float], float, int]]]] = {}
+        # The plan each device last reported (not saved: the first result after a start
+        # retires the tracks of probes that left it).
+        self._plans: dict[str, frozenset[ProbeSpec]] = {}
         # Alarms raised and cleared, rebaselines: until a caller drains them (bounded).
         self.transitions: deque[Transition] = deque(maxlen=TRANSITIONS_MAX)
         if path is not None and path.exists():
@@ -171,6 +174,8 @@ class DriftMonitor(Persistence):
         dev = self.devices.setdefault(uuid, DeviceDrift())
         if gpu_model:
             dev.gpu_model = gpu_model
+        if plan is not None:
+            self._retire(uuid, plan, now)
         raised: list[Alarm] = []
         if spec in self._seen.get(uuid, ()):
             raised += self._close_round(uuid, now)
@@ -202,7 +207,7 @@ class DriftMonitor(Persistence):
                 self._note("alarm", uuid, target, spec, tr, now)
             elif was and not tr.drifting:
                 self._note("clear", uuid, target, spec, tr, now, since)
-            if tr.ready() and not was_ready:
+            if tr.ready() and not was_ready and not ds.ready():
                 self._warm.setdefault(uuid, {}).setdefault(target, {})[spec] = \
                     (values, floor, tr.cut)
             if tr.ready() and tr.last_u is not None:
@@ -222,6 +227,34 @@ class DriftMonitor(Persistence):
                     "drifting_s": now - since}))
                 self.rebaseline(uuid, now=now)
         return raised
+
+    def _retire(self, uuid: str, plan: Collection[ProbeSpec], now: float) -> None:
+        """Drop the tracks of the device's probes that are no longer in its plan (a
+        sentinel removed from the configuration). Kept, they were never ready again
+        after a rebaseline, and the device's pooled statistic, which starts once all its
+        probes' tracks are, never re-armed; one in alarm kept the device's alarm alive."""
+        keep = frozenset(plan)
+        if self._plans.get(uuid) == keep:
+            return
+        self._plans[uuid] = keep
+        gone = [key for key in self.tracks if key[0] == uuid and key[1] not in keep]
+        for key in gone:
+            tr = self.tracks.pop(key)
+            if tr.drifting:
+                self._note("clear", uuid, key[2], key[1], tr, now, tr.since,
+                           reason="left the plan")
+        for part in (self._warm.get(uuid, {}), self._pending.get(uuid, {})):
+            for per in part.values():
+                for spec in [s for s in per if s not in keep]:
+                    del per[spec]
+        if gone:
+            names = sorted({key[1].name for key in gone})
+            dev = self.devices.get(uuid)
+            if dev is not None:
+                for name in names:
+                    dev.contexts.pop(name, None)
+            logger.info("device %s: %s left the probe plan: drift tracks dropped", uuid,
+                        ", ".join(names))
 
     def end_round(self, uuid: str, now: float | None = None) -> list[Alarm]:
         """Close the device's round now (callers that know a round ended)."""
