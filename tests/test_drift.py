@@ -428,6 +428,56 @@ def test_each_alarm_raised_and_cleared_is_kept_for_the_record_with_its_shift():
         assert x.detail["since"] == start < x.ts and "reason" not in x.detail
 
 
+def test_a_rebaseline_takes_a_new_level_and_keeps_the_noise_it_learnt(tmp_path):
+    """Before, a rebaseline forgot the noise model too, and a GPU was as blind as a new
+    one for hours: at 1% noise a 5% step 10 rounds after the new baseline went unseen on
+    most GPUs (the young bounds of a 10-result noise estimate). A new level is no new
+    noise."""
+    from gemmd.drift.params import REBASE_N
+
+    delays = []
+    for seed in range(4):
+        rng = np.random.default_rng(60 + seed)
+        path = tmp_path / f"drift{seed}.json"
+        mon = DriftMonitor(DriftConfig(targets=("runtime",)), path)
+        for t in range(400):
+            _round(mon, "g", rng.normal(0, 0.01, 2), t, specs=SPECS[:2])
+        before = mon.tracks[("g", SPECS[0], "runtime")]
+        learnt = (before.cxx, before.cxy, before.cyy)
+        mon.rebaseline("g", now=400)
+        for t in range(400, 405):
+            _round(mon, "g", rng.normal(0.03, 0.01, 2), t, specs=SPECS[:2])
+        mon.save()  # a restart in the middle of the new baseline keeps what it carries
+        mon = DriftMonitor(DriftConfig(targets=("runtime",)), path)
+        for t in range(405, 420):
+            _round(mon, "g", rng.normal(0.03, 0.01, 2), t, specs=SPECS[:2])
+        tr = mon.tracks[("g", SPECS[0], "runtime")]
+        assert tr.ready() and tr.noise is None and tr.n <= REBASE_N + 10
+        assert tr.reference == pytest.approx(0.03, abs=0.01)  # the new level ...
+        assert tr.cxx == pytest.approx(learnt[0], rel=0.2)  # ... the noise it knew
+        assert mon.devices["g"].targets["runtime"].ready()
+        raised = _run(mon, "g", rng.normal(0.03, 0.01, (60, 2)) + math.log(1.05), 420,
+                      specs=SPECS[:2])
+        delays.append(raised[0][0] - 420 + 1 if raised else math.inf)
+    assert max(delays) <= 12, delays  # 4-9 here; before, 40% of GPUs within a day
+
+
+def test_a_rebaseline_on_noisier_results_learns_the_noise_anew():
+    """A driver update or a busier host may change the noise with the level: a new
+    baseline that scatters beyond the kept model's 99% bound discards it (kept, noise
+    grown 3x gave 45 false alarms in 60 GPU-days after the rebaseline)."""
+    rng = np.random.default_rng(70)
+    mon = DriftMonitor(DriftConfig(targets=("runtime",)))
+    for t in range(300):
+        _round(mon, "g", rng.normal(0, 0.01, 2), t, specs=SPECS[:2])
+    kept = mon.tracks[("g", SPECS[0], "runtime")].cyy
+    mon.rebaseline("g", now=300)
+    for t in range(300, 310):
+        _round(mon, "g", rng.normal(0, 0.03, 2), t, specs=SPECS[:2])
+    tr = mon.tracks[("g", SPECS[0], "runtime")]
+    assert tr.ready() and tr.n < 30 and tr.cyy > 4 * kept  # learnt from the new baseline
+
+
 def test_a_rebaseline_ends_the_alarms_in_progress_for_the_record():
     mon = DriftMonitor(DriftConfig(**P, accept_after_s=3600, targets=("runtime",)))
     base, slow, sig = {"runtime": 1.0}, {"runtime": 1.1}, {"runtime": 0.02}

@@ -48,6 +48,7 @@ from gemmd.drift.series import (
     allowance,
     innovations,
     long_run_scales,
+    noise_of,
     set_reference,
     start,
     update,
@@ -503,7 +504,7 @@ class DriftMonitor(Persistence):
                 if old.drifting:
                     self._note("clear", key[0], key[2], key[1], old, now, old.since,
                                reason="rebaseline")
-                self.tracks[key] = Track(alarms=old.alarms)
+                self.tracks[key] = Track(alarms=old.alarms, noise=noise_of(old))
                 n += 1
         for u, dev in self.devices.items():
             if uuid is None or u == uuid:
@@ -511,7 +512,7 @@ class DriftMonitor(Persistence):
                     if d.drifting:
                         self._note("clear", u, t, None, d, now, d.since, reason="rebaseline")
                 dev.targets = {t: DeviceTrack(alarms=d.alarms, fast_alarms=d.fast_alarms,
-                                              speedups=d.speedups)
+                                              speedups=d.speedups, noise=noise_of(d))
                                for t, d in dev.targets.items()}
                 dev.contexts = {}
                 self._seen.pop(u, None)

@@ -28,13 +28,22 @@ from gemmd.drift.params import (
     MISFIT_Z,
     NOISE_N,
     PHI_Z,
+    REBASE_MIN,
+    REBASE_N,
     RHO_MAX,
     TAIL_HI_N,
     TAIL_MAX,
     TAIL_SE,
     TAIL_Z,
 )
-from gemmd.drift.tracks import _POOLED_NAMES, DeviceTrack, Track, _from_arrays, _to_arrays
+from gemmd.drift.tracks import (
+    _POOLED_NAMES,
+    NOISE_FIELDS,
+    DeviceTrack,
+    Track,
+    _from_arrays,
+    _to_arrays,
+)
 
 # ---------------------------------------------------------------- the arithmetic
 
@@ -360,6 +369,43 @@ def set_reference(track: Track, values: list[float], cut: int = 0) -> None:
     track.baseline = []
     for name, v in keep.items():
         setattr(track, name, v)
+    if track.noise and not _noisier(track.noise, values, cut):
+        for name in NOISE_FIELDS:
+            if name in track.noise:
+                setattr(track, name, float(track.noise[name]))
+        track.n, track.tn = min(track.n, REBASE_N), min(track.tn, REBASE_N)
+        track.phi = float(_phi(np.array([track.cxx]), np.array([track.cxy]))[0])
+    track.noise = None
+
+
+def _noisier(noise: dict[str, float], values: list[float], cut: int) -> bool:
+    """Whether a new baseline scatters more than the noise model kept from before a
+    rebaseline allows: its first differences' mean square beyond the 99% chi-square
+    bound of what that AR(1) model gives them (2 sigma_e^2 / (1 + phi)). A driver update
+    or a busier host may have changed the noise; the model is then learnt anew."""
+    v = np.asarray(values, float)
+    c = cut if 2 <= cut < len(v) else len(v)
+    d = np.concatenate([np.diff(v[:c]), np.diff(v[c:])])
+    if len(d) < 2:
+        return False
+    cxx, cxy, cyy = noise.get("cxx", 0.0), noise.get("cxy", 0.0), noise.get("cyy", 0.0)
+    phi = float(_phi(np.array([cxx]), np.array([cxy]))[0])
+    var_e = max(cyy - 2 * phi * cxy + phi * phi * cxx, 0.0)
+    expected = 2 * var_e / (1 + phi)
+    nu = float(len(d))
+    q = (1 - 2 / (9 * nu) + 2.326 * math.sqrt(2 / (9 * nu))) ** 3  # chi2_0.99(nu) / nu
+    return bool(np.mean(d * d) > q * expected)
+
+
+def noise_of(track: Track) -> dict[str, float] | None:
+    """What a series learnt about its noise (NOISE_FIELDS) for a rebaseline to keep: a
+    new level is no new noise. None where it has learnt less than a baseline does; one
+    still re-baselining passes on what it carries."""
+    if not track.ready():
+        return track.noise
+    if track.n < REBASE_MIN:
+        return None
+    return {name: float(getattr(track, name)) for name in NOISE_FIELDS}
 
 
 def update(track: Track, value: float, model_sigma: float = 0.0, *, shift: float,

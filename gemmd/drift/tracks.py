@@ -25,6 +25,8 @@ _POOLED_NAMES = {"drifting": "fast", "since": "fast_since", "alarms": "fast_alar
 _BOOL_FIELDS = {"drifting", "bad_prev"}
 _INT_FIELDS = {"alarms"}
 _OPTIONAL_FIELDS = {"since", "h", "k", "last_z", "last_u", "reference", "scale", "level_se"}
+# What a series learnt about its noise, not its level: its AR(1) moments, misfit and tails.
+NOISE_FIELDS = ("n", "cxx", "cxy", "cyy", "ev", "tail", "tail_hi", "tn", "wander")
 
 
 @dataclass
@@ -66,6 +68,9 @@ class Track:
     tn: float = 0.0  # ... over this many results (at most NOISE_N)
     wander: float = 1.0  # its misfit as learnt over its reference period (then frozen)
     cut: int = 0  # baseline values before a step seen during the baseline (0: none)
+    # Its noise model as learnt before a rebaseline (NOISE_FIELDS), for the reference the
+    # next baseline takes (keep_noise); None otherwise.
+    noise: dict[str, float] | None = None
     spd: float = 0.0  # sum of its deviations while its device counts a speed-up
 
     def ready(self) -> bool:
