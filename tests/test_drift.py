@@ -462,6 +462,27 @@ def test_a_rebaseline_takes_a_new_level_and_keeps_the_noise_it_learnt(tmp_path):
     assert max(delays) <= 12, delays  # 4-9 here; before, 40% of GPUs within a day
 
 
+def test_a_damaged_kept_noise_model_in_the_state_file_starts_drift_over(tmp_path, caplog):
+    import json
+
+    mon = DriftMonitor(DriftConfig(targets=("runtime",)), tmp_path / "drift.json")
+    rng = np.random.default_rng(71)
+    for t in range(60):
+        _round(mon, "g", rng.normal(0, 0.01, 2), t, specs=SPECS[:2])
+    mon.rebaseline("g", now=60)
+    mon.save()
+    data = json.loads((tmp_path / "drift.json").read_text())
+    assert data["tracks"][0]["noise"]["n"] > 0  # saved with the track
+    data["tracks"][0]["noise"] = ["not", "a", "model"]
+    (tmp_path / "drift.json").write_text(json.dumps(data))
+    with caplog.at_level("ERROR"):
+        mon = DriftMonitor(DriftConfig(targets=("runtime",)), tmp_path / "drift.json")
+    assert mon.tracks == {} and "unreadable" in caplog.text
+    for t in range(61, 80):  # and it runs on, from a new baseline
+        _round(mon, "g", rng.normal(0, 0.01, 2), t, specs=SPECS[:2])
+    assert mon.tracks[("g", SPECS[0], "runtime")].ready()
+
+
 def test_a_rebaseline_on_noisier_results_learns_the_noise_anew():
     """A driver update or a busier host may change the noise with the level: a new
     baseline that scatters beyond the kept model's 99% bound discards it (kept, noise

@@ -95,7 +95,10 @@ class Persistence:
 def _make(cls: type, rec: Mapping[str, Any]) -> Any:
     """A dataclass from a saved record; keys it does not know (a newer file) are ignored."""
     names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in rec.items() if k in names})
+    out = {k: v for k, v in rec.items() if k in names}
+    if out.get("noise") is not None:  # a series' kept noise model: numbers, or unreadable
+        out["noise"] = {str(k): float(v) for k, v in dict(out["noise"]).items()}
+    return cls(**out)
 
 
 def _device_track(rec: Mapping[str, Any], version: int) -> DeviceTrack:

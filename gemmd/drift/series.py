@@ -399,8 +399,8 @@ def _noisier(noise: dict[str, float], values: list[float], cut: int) -> bool:
 
 def noise_of(track: Track) -> dict[str, float] | None:
     """What a series learnt about its noise (NOISE_FIELDS) for a rebaseline to keep: a
-    new level is no new noise. None where it has learnt less than a baseline does; one
-    still re-baselining passes on what it carries."""
+    new level is no new noise. None where it has learnt from fewer than REBASE_MIN
+    results; one still re-baselining passes on what it carries."""
     if not track.ready():
         return track.noise
     if track.n < REBASE_MIN:

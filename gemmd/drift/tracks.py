@@ -68,8 +68,8 @@ class Track:
     tn: float = 0.0  # ... over this many results (at most NOISE_N)
     wander: float = 1.0  # its misfit as learnt over its reference period (then frozen)
     cut: int = 0  # baseline values before a step seen during the baseline (0: none)
-    # Its noise model as learnt before a rebaseline (NOISE_FIELDS), for the reference the
-    # next baseline takes (keep_noise); None otherwise.
+    # Its noise model as learnt before a rebaseline (NOISE_FIELDS, series.noise_of), kept
+    # by the reference its next baseline takes (series.set_reference); None otherwise.
     noise: dict[str, float] | None = None
     spd: float = 0.0  # sum of its deviations while its device counts a speed-up
 
