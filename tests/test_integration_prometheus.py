@@ -273,7 +273,14 @@ def test_prometheus_evaluates_every_rule_and_dashboard_query_and_alerts_on_the_s
     assert all(a["annotations"]["description"] and a["annotations"]["summary"]
                for a in slow)
     description = slow[0]["annotations"]["description"]
-    assert "measured/predicted runtime 1." in description, description
+    # The worst probe's measured/predicted ratio and its normal for this card, whose
+    # quotient is the slowdown. Not the ratio alone: how well the model predicts the
+    # worst probe depends on how much data the fit had when it ran (a loaded machine:
+    # tiled16 at 2.008 against a normal of 1.338, for 1.50x).
+    found = re.search(r"measured/predicted runtime ([0-9.]+), normal for this card "
+                      r"([0-9.]+)", description)
+    assert found, description
+    assert 1.3 < float(found[1]) / float(found[2]) < 1.7, description
 
     # The recording rules have seen the slow GPU too.
     def recorded_slow():
