@@ -90,6 +90,19 @@ def _phi(cxx: np.ndarray, cxy: np.ndarray) -> np.ndarray:
     return np.where(cxx > 0, np.clip(cxy / safe, 0.0, RHO_MAX), 0.0)
 
 
+def _ar1(cxx: Any, cxy: Any, cyy: Any, n: Any = None, learn_z: float = math.inf
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """An AR(1) model's phi and innovation variance from a series' moments; with ``n``,
+    the variance corrected for its n - 2 degrees of freedom and for the learning cut at
+    ``learn_z`` (truncated)."""
+    cxx, cxy, cyy = np.asarray(cxx, float), np.asarray(cxy, float), np.asarray(cyy, float)
+    phi = _phi(cxx, cxy)
+    var = np.maximum(cyy - 2 * phi * cxy + phi * phi * cxx, 0.0)
+    if n is not None:
+        var = var * n / np.maximum(n - 2.0, 1.0) / truncated(learn_z)
+    return phi, var
+
+
 def _params(s: dict[str, np.ndarray], floor: Any, phi_z: Any, learn_z: float = math.inf,
             chi_z: Any = 2.326
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -103,10 +116,8 @@ def _params(s: dict[str, np.ndarray], floor: Any, phi_z: Any, learn_z: float = m
     The safe bound: the 99% chi-square bound of sigma_e, times (1 - phi) / (1 - phi_hi):
     if the true autocorrelation is phi_hi, the upper ``phi_z``-sigma bound of the
     estimate, innovations filtered with phi wander that much more in the long run."""
-    phi = _phi(s["cxx"], s["cxy"])
     n = s["n"]
-    var = np.maximum(s["cyy"] - 2 * phi * s["cxy"] + phi * phi * s["cxx"], 0.0)
-    var = var * n / np.maximum(n - 2.0, 1.0) / truncated(learn_z)
+    phi, var = _ar1(s["cxx"], s["cxy"], s["cyy"], n, learn_z)
     raw = np.sqrt(var)
     least = floor * (1.0 - phi)
     # Where the series wanders less than the floor, phi hardly matters to its innovations:
@@ -334,10 +345,7 @@ def innovations(s: dict[str, np.ndarray], values: np.ndarray, floor: Any
 def long_run_scales(s: dict[str, np.ndarray], floor: Any) -> np.ndarray:
     """Each series' long-run scale sigma_e / (1 - phi) at its point estimate, at least
     ``floor``: how far a probe's results stray from its normal (its pooling weight)."""
-    phi = _phi(s["cxx"], s["cxy"])
-    n = s["n"]
-    var = np.maximum(s["cyy"] - 2 * phi * s["cxy"] + phi * phi * s["cxx"], 0.0)
-    var = var * n / np.maximum(n - 2.0, 1.0) / truncated(LEARN_Z)
+    phi, var = _ar1(s["cxx"], s["cxy"], s["cyy"], s["n"], LEARN_Z)
     return np.maximum(np.maximum(np.sqrt(var), floor * (1 - phi)) / (1 - phi), floor)
 
 
@@ -388,10 +396,8 @@ def _noisier(noise: dict[str, float], values: list[float], cut: int) -> bool:
     d = np.concatenate([np.diff(v[:c]), np.diff(v[c:])])
     if len(d) < 2:
         return False
-    cxx, cxy, cyy = noise.get("cxx", 0.0), noise.get("cxy", 0.0), noise.get("cyy", 0.0)
-    phi = float(_phi(np.array([cxx]), np.array([cxy]))[0])
-    var_e = max(cyy - 2 * phi * cxy + phi * phi * cxx, 0.0)
-    expected = 2 * var_e / (1 + phi)
+    phi, var_e = _ar1(noise.get("cxx", 0.0), noise.get("cxy", 0.0), noise.get("cyy", 0.0))
+    expected = float(2 * var_e / (1 + phi))
     nu = float(len(d))
     q = (1 - 2 / (9 * nu) + 2.326 * math.sqrt(2 / (9 * nu))) ** 3  # chi2_0.99(nu) / nu
     return bool(np.mean(d * d) > q * expected)
@@ -437,9 +443,8 @@ def update(track: Track, value: float, model_sigma: float = 0.0, *, shift: float
 def long_run_scale(tr: Track, floor: float = 0.0) -> float:
     """A ready series' long-run scale sigma_e / (1 - phi) at its point estimate (as
     ``_params`` computes it, without the widening)."""
-    phi = min(max(tr.cxy / tr.cxx, 0.0), RHO_MAX) if tr.cxx > 0 else 0.0
-    var = max(tr.cyy - 2 * phi * tr.cxy + phi * phi * tr.cxx, 0.0) * tr.n / max(tr.n - 2, 1)
-    var /= truncated(DEVICE_LEARN_Z if isinstance(tr, DeviceTrack) else LEARN_Z)
+    phi, var = (float(x) for x in _ar1(
+        tr.cxx, tr.cxy, tr.cyy, tr.n, DEVICE_LEARN_Z if isinstance(tr, DeviceTrack) else LEARN_Z))
     return max(math.sqrt(var), floor * (1 - phi)) / (1 - phi)
 
 
