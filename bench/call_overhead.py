@@ -50,7 +50,7 @@ def check_costs(rows: list[dict[str, str]]) -> tuple[float, dict[str, float]]:
         if not plain:
             continue
         extra = float(r["elapsed_s"]) - float(np.median(plain))
-        dtype = "fp32" if r["probe"].startswith("tiled") else r["probe"].split("-")[1]
+        dtype = r["probe"].split("-")[1]  # blas-bf16-nn-..., tiled32-fp32-nn-...
         if dtype in seen:
             later.append(extra)
         else:
