@@ -139,6 +139,13 @@ def test_close_kills_a_hung_worker(worker):
     time.sleep(0.5)
     d.close()  # returns: the hung child was killed (its stop request goes unanswered)
     proc.join(HANG_S)  # reaped (close waits 5 s for that; a loaded machine may take longer)
+    # The probe's thread polls the same Process (is_alive every 0.1 s): where its waitpid
+    # reaps the child, this thread's can get ECHILD, and CPython's Popen.poll then answers
+    # None until that thread stores the exit code. Once on a fresh clone's CI is_alive()
+    # said True right after the join (the run took no 60 s longer): most likely that.
+    deadline = time.monotonic() + HANG_S
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not proc.is_alive()
     t.join(HANG_S)
     assert not t.is_alive()
