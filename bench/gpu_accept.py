@@ -1,6 +1,7 @@
 """GPU acceptance run of gemmd: one command, every GPU figure, one folder of results.
 
     python3 bench/gpu_accept.py OUTDIR [--backend nvidia|fake] [--quick] [--deadline S]
+        [--only N,...] [--rounds N] [--gap S] [--slowdown clocks|power]
 
 Run from the repository root of a bare checkout with ``PYTHONPATH=$PWD`` (on the lent GPU
 machine: ``bench/gpu_accept.sh OUTDIR``, which first installs the wheels of
@@ -118,6 +119,8 @@ class Ctx:
         self.end = math.inf  # the whole run's (--deadline)
         self._devices: list[Any] | None = None
         self.lock = threading.Lock()
+        # Step 4's rounds and the idle seconds between them; step 6's lever.
+        self.rounds, self.gap_s, self.slowdown = SENTINEL_ROUNDS, 0.0, "clocks"
 
     @property
     def gpu(self) -> bool:
@@ -627,13 +630,15 @@ def step_noise(ctx: Ctx) -> None:
     plan, dropped = build_plan(cfg.probes.sentinels, dev)
     if not plan:
         raise Failed(f"no default sentinel runs on this device: {dropped}")
-    rounds = 5 if ctx.quick and ctx.gpu else SENTINEL_ROUNDS
+    rounds = 5 if ctx.quick and ctx.gpu else ctx.rounds
     rows, totals = [], []
     for rnd in range(rounds):
         # The 20 rounds are the point: cut short only far past the budget.
         if ctx.left() < -0.5 * ctx.step.budget_s or ctx.left_in_run() < 0:
             ctx.step.note = f"only {rnd} of {rounds} rounds: step budget spent"
             break
+        if rnd and ctx.gap_s:
+            time.sleep(ctx.gap_s)  # --gap: the GPU idles between rounds, as in the daemon
         e0, t0 = dev.energy_j(), dev.clock()
         for spec in plan:
             rows.append({"round": rnd, **measure_row(dev, spec, cfg.probes.measure)})
@@ -659,8 +664,9 @@ def step_noise(ctx: Ctx) -> None:
         mean_ms = float(np.mean([r["runtime_s"] for r in rs])) * 1e3 if rs else None
         table.append((spec.name, len(rs), fmt(mean_ms, ".4g"), *cells))
     ctx.write_csv("noise_stats.csv", shape_rows)
-    ctx.md(f"{len(totals)} rounds of the {len(plan)} default sentinels back to back, default "
-           "MeasureConfig (noise.csv; the daemon's rounds are 2 minutes apart, these are not):",
+    spacing = f"{ctx.gap_s:g} s of idle between rounds" if ctx.gap_s else "back to back"
+    ctx.md(f"{len(totals)} rounds of the {len(plan)} default sentinels, {spacing}, default "
+           "MeasureConfig (noise.csv; the daemon's rounds are 2 minutes apart):",
            "", *md_table(("probe", "rounds ok", "runtime ms", "runtime CV", "r1", "power CV",
                           "r1", "energy CV", "r1"), table), "",
            "The shape of the noise (noise_stats.csv): sample skewness and excess kurtosis "
@@ -783,8 +789,10 @@ def replay_report(rounds: Sequence[tuple[str, list[dict[str, Any]]]], plan: Sequ
                           str(hit + 1) if hit is not None else f"none in {len(slowed)}",
                           "<= 3", hit is not None and hit < 3))
     if hit is not None:
-        figures.append(Figure("the cause the alarm names", slowed[hit].get("cause") or "-",
-                              "clocks down", "clock" in (slowed[hit].get("cause") or "")))
+        cause = slowed[hit].get("cause") or ""
+        want = "power limit" if levels[0].startswith("power limit") else "clocks"
+        figures.append(Figure("the cause the alarm names", cause or "-", f"{want} down",
+                              want in cause))
     after = [r for r in replay if r["phase"].startswith("after `rebaseline`")]
     if after:
         figures.append(Figure("`rebaseline` clears the alarm (in-process "
@@ -843,10 +851,15 @@ class _NoDev:
     targets: dict[str, Any] = {}
 
 
+class _NotTried(Exception):
+    """A lever of step 6 left alone on purpose."""
+
+
 def step_slowdown(ctx: Ctx) -> None:
     """Lower the SM clocks (NVML locked clocks; else the power limit) by ~5% then ~10% of
-    the clock the sentinels ran at, measure the default plan at each, restore; replay the
-    stock rounds of step 4 and these through gemmd's drift detector."""
+    the clock the sentinels ran at (with --slowdown power: the power limit by 10% then
+    20%), measure the default plan at each, restore; replay the stock rounds of step 4 and
+    these through gemmd's drift detector."""
     if not ctx.gpu:
         raise Skip("needs a GPU (NVML clock and power-limit control)")
     base = ctx.data.get("noise_rows")
@@ -874,7 +887,12 @@ def step_slowdown(ctx: Ctx) -> None:
         return max((c for c in supported if c <= target), default=supported[0])
 
     levels: list[tuple[str, Callable[[], None], str]] = []
+    power_levels = (("-15%", 0.85), ("-30%", 0.70))
+    if ctx.slowdown == "power":  # --slowdown power: the power-capped probes' lever
+        power_levels = (("-10%", 0.90), ("-20%", 0.80))
     try:  # nvidia-smi -lgc: locked clocks, a range; the top is what lowers them
+        if ctx.slowdown != "clocks":
+            raise _NotTried("not tried (--slowdown power)")
         nv.nvmlDeviceSetGpuLockedClocks(h, supported[0], snap(f0))
         answers["locked clocks (nvidia-smi -lgc)"] = "permitted"
         _RESTORE.append(lambda: nv.nvmlDeviceResetGpuLockedClocks(h))
@@ -883,6 +901,8 @@ def step_slowdown(ctx: Ctx) -> None:
             levels.append((f"clocks {pct_} ({c} MHz)",
                            lambda c=c: nv.nvmlDeviceSetGpuLockedClocks(h, supported[0], c),
                            f"SM clock capped at {c} MHz ({c / f0 - 1:+.1%} of {f0:.0f})"))
+    except _NotTried as e:
+        answers["locked clocks (nvidia-smi -lgc)"] = str(e)
     except nv.NVMLError as e:
         answers["locked clocks (nvidia-smi -lgc)"] = f"refused: {e}"
     limit_mw = nv.nvmlDeviceGetPowerManagementLimit(h)
@@ -892,7 +912,7 @@ def step_slowdown(ctx: Ctx) -> None:
         _RESTORE.append(lambda: nv.nvmlDeviceSetPowerManagementLimit(h, limit_mw))
         if not levels:
             lo = nv.nvmlDeviceGetPowerManagementLimitConstraints(h)[0]
-            for pct_, frac in (("-15%", 0.85), ("-30%", 0.70)):
+            for pct_, frac in power_levels:
                 mw = int(max(lo, frac * limit_mw))
                 levels.append((f"power limit {pct_} ({mw / 1000:.0f} W)",
                                lambda mw=mw: nv.nvmlDeviceSetPowerManagementLimit(h, mw),
@@ -1571,6 +1591,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "the longest steps are cut first, and SUMMARY.md says what was cut")
     ap.add_argument("--only", metavar="N,N,...", default="",
                     help="run only these steps (numbers; e.g. a re-measurement)")
+    ap.add_argument("--rounds", type=int, default=SENTINEL_ROUNDS, metavar="N",
+                    help="step 4's rounds of the default sentinels (default %(default)s)")
+    ap.add_argument("--gap", type=float, default=0.0, metavar="SECONDS",
+                    help="step 4: idle seconds between rounds (default 0: back to back)")
+    ap.add_argument("--slowdown", choices=("clocks", "power"), default="clocks",
+                    help="step 6 lowers the SM clocks 5%% and 10%% (default), or the power "
+                         "limit 10%% and 20%%")
     args = ap.parse_args(argv)
     if args.replay is not None:
         if not args.replay.is_file():
@@ -1580,6 +1607,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("OUTDIR is required (unless --replay)")
     if not (math.isfinite(args.deadline) and args.deadline >= 10):
         ap.error(f"--deadline {args.deadline}: must be at least 10 seconds")
+    if not 3 <= args.rounds <= 1000:
+        ap.error(f"--rounds {args.rounds}: must be 3 to 1000")
+    if not (math.isfinite(args.gap) and 0 <= args.gap <= 600):
+        ap.error(f"--gap {args.gap}: must be 0 to 600 seconds")
     try:
         only = {int(x) for x in args.only.split(",") if x.strip()}
     except ValueError:
@@ -1596,6 +1627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="gemmd-accept-"))
     ctx = Ctx(out, work, args.backend, args.quick)
+    ctx.rounds, ctx.gap_s, ctx.slowdown = args.rounds, args.gap, args.slowdown
     scale = 1 / 3 if args.quick else 1.0
     granted = plan([n * scale if not only or num in only else 0.0
                     for num, _, n, _, _ in STEPS], args.deadline,

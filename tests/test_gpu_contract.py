@@ -503,6 +503,31 @@ def test_a_window_sized_at_warm_up_clocks_ends_at_its_time_when_the_clocks_drop(
     assert m.iterations < sized and sized * m.runtime_s > 1.25 * cfg.window_s
 
 
+def test_a_window_sized_on_a_slow_warm_up_still_runs_its_time(gpu):
+    """Seen on the H100: the fp32 sentinel's warm-up ran on clocks still recovering from
+    the power-capped probe before it, so the GEMMs it sized the 0.5 s window for ran out
+    at 0.38-0.49 s. The time bound, not the warm-up's count, ends the window now."""
+    dev = _device(gpu, energy_mj=stepping_counter(300.0, gpu.clock, step_s=0.01))
+    spec = ProbeSpec(256, 256, 256, "fp32")  # ~1.7 ms per GEMM on the stand-in: chunk 1
+    real = dev.run_observed
+    gpu.flops_per_s /= 1.3  # the warm-up's clocks
+
+    def recovered(*args, **kwargs):
+        gpu.flops_per_s *= 1.3  # back to full clocks as the window starts
+        return real(*args, **kwargs)
+
+    dev.run_observed = recovered
+    cfg = MeasureConfig(window_s=0.1, warmup_s=0.01)
+    m = measure(dev, spec, cfg)
+    per = 2 * 256**3 / gpu.flops_per_s
+    assert m.runtime_s == pytest.approx(per, rel=0.05)
+    assert cfg.window_s <= m.runtime_mean_s * m.iterations <= cfg.window_s + 2 * per
+    assert cfg.window_s <= m.window_s
+    # What the warm-up's pace asked for would have run a quarter short.
+    assert iterations_for_window(1.3 * per, cfg.window_s, 3, 100_000) * per \
+        < 0.8 * cfg.window_s
+
+
 def test_clocks_that_drop_late_in_the_window_are_paced_by_the_last_chunks(gpu):
     """The GEMMs still queued are costed at the pace of the last chunks that ran, not the
     window's average: clocks 30% slower 0.3 s into a 0.5 s window overshot by 13 ms, now

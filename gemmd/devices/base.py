@@ -28,6 +28,8 @@ from gemmd.records import DeviceInfo, Measurement
 # a chunk of small ones (the NVIDIA backend's first call runs ~0.2 ms of them), reaches a
 # 20 ms warm-up in two calls; a timer's glitch costs at most this many GEMMs.
 _WARMUP_GROWTH = 128
+# Iterations asked of a time-bounded window beyond the warm-up's pace (bounds_window).
+_WINDOW_HEADROOM = 2.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,10 @@ class Device(abc.ABC):
 
     info: DeviceInfo
     memory_budget: int = 0
+    # Whether run_observed() ends the window itself once ``max_s`` of GEMMs are queued
+    # (the NVIDIA backend): measure() then asks it for more GEMMs than the warm-up's pace
+    # says, and the time bound, not the count, decides the window's length.
+    bounds_window: bool = False
 
     def unsupported_reason(self, spec: ProbeSpec) -> str | None:
         """Why this device cannot run ``spec`` (dtype, kernel, memory budget), or None."""
@@ -270,8 +276,13 @@ def measure(device: Device, spec: ProbeSpec, cfg: MeasureConfig, *, check: bool 
     # The window is sized on the warm-up's later half: its first GEMMs may run cold (with
     # two warm-up GEMMs, the median of both sized a CPU probe's 0.1 s window at 21 ms, 8
     # GEMMs of 0.2 ms, after a 56 ms warm-up; tests/test_probes.py, a 100x cold call).
-    iters = iterations_for_window(float(np.median(warm[len(warm) // 2:])), cfg.window_s,
-                                  cfg.min_iters, cfg.max_iters)
+    # A device that bounds the window by time is asked for _WINDOW_HEADROOM times that:
+    # on the H100 the fp32 sentinel's warm-up ran on clocks still recovering from the
+    # power-capped bf16 probe before it, and its 0.5 s windows ran out of GEMMs at
+    # 0.38-0.49 s (bench/results/2026-11-26-h100).
+    headroom = _WINDOW_HEADROOM if device.bounds_window else 1.0
+    iters = iterations_for_window(float(np.median(warm[len(warm) // 2:])),
+                                  headroom * cfg.window_s, cfg.min_iters, cfg.max_iters)
     warmed = device.clock()
     ctx_before = device.context()
     run = device.run_observed(spec, iters, cancel, max_s=cfg.window_s,

@@ -181,6 +181,8 @@ class NvidiaDevice(Device):
     against the real libraries, a virtual clock); by default the real ones are used.
     """
 
+    bounds_window = True  # run_observed() ends the window at max_s (see _run)
+
     def __init__(self, record: GpuRecord, *, memory_budget: int, seed: int = 0,
                  nvml: Nvml | None = None, cupy: Any = None, cublas: Cublas | None = None,
                  clock: Callable[[], float] = time.monotonic, ticker: Any = None):
