@@ -28,8 +28,9 @@
 3. Causes: the fake backend's fault scenarios (thermal throttling, a lowered power limit,
    locked clocks, same clocks and less work, more power at the same runtime), measured by
    gemmd's protocol and judged by DriftMonitor with each probe's context.
-4. Cost: GPU seconds per round of sentinel plans, from the per-probe cost measured on the
-   H200 by window (``--measure-plan``), against detection delay and false alarms: with the
+4. Cost: GPU seconds per round of sentinel plans, from the per-probe cost measured on an
+   H100 by window with this tree's protocol (``--measure-plan``), and the H100's default
+   rounds measured whole, against detection delay and false alarms: with the H200's
    measured noise at that window, and at 2% noise.
 5. Peers: a GPU 5% slower than its 7 siblings from its first probe.
 """
@@ -73,7 +74,14 @@ P = DriftConfig()  # the shipped defaults
 TARGETS = ("runtime", "power", "energy")
 RESULTS = Path(__file__).resolve().parent / "results"
 NOISE_TAR = RESULTS / "2026-11-26-h200" / "results.tar.gz"
+# An H100 under today's default plan: 60 rounds 2 s apart, then the power limit cut 10% and
+# 20%; and 20 rounds back to back, then the SM clocks capped 5% and 10% (the first run).
+H100_TAR = RESULTS / "2026-11-26-h100-power" / "results.tar.gz"
+H100_CLOCKS_TAR = RESULTS / "2026-11-26-h100" / "results.tar.gz"
 PLAN_CSV = RESULTS / "2026-11-26-h200-plan" / "plan_cost.csv"
+# What each probe costs under this tree's protocol (warm-up in two calls, windows on time):
+# the H100's plan_cost.csv; the H200's above predates both and sets only its noise's spread.
+COST_CSV = RESULTS / "2026-11-26-h100-power-plan" / "plan_cost.csv"
 # Probes by preference: the default plan's first, then what a larger plan adds.
 CANDIDATES = [ProbeSpec(8192, 8192, 8192, "fp32"), ProbeSpec(8192, 8192, 8192, "bf16"),
               ProbeSpec(4096, 4096, 4096, "fp32"), ProbeSpec(4096, 4096, 4096, "bf16"),
@@ -221,13 +229,14 @@ def _shape(values: Sequence[float], floor_sd: float = 0.0) -> Shape:
     return Shape(sd, phi, float(out.mean()), tuple(float(v) for v in x[out]))
 
 
-def plan_costs() -> dict[tuple[str, float, float], dict[str, float]]:
+def plan_costs(path: Path = PLAN_CSV) -> dict[tuple[str, float, float], dict[str, float]]:
     """Per (probe, window, warm-up): median elapsed device time, runtime and energy CV
-    (plan_cost.csv, measured on the H200), and the check's extra time, the same at every
-    window (it compares the output with a reference, after the window): what a check
-    costs once its dtype has been checked in the process (call_overhead.check_costs; the
-    first check of a dtype pays once, +0.22 s on the H200)."""
-    rows = list(csv.DictReader(open(PLAN_CSV)))
+    (``path``: a plan_cost.csv, by default the H200's), and the check's extra time, the
+    same at every window (it compares the output with a reference, after the window):
+    what a check costs once its dtype has been checked in the process
+    (call_overhead.check_costs; the first check of a dtype pays once, +0.22 s on the
+    H200)."""
+    rows = list(csv.DictReader(open(path)))
     check, _ = check_costs(rows)
     by: dict[tuple[str, float, float], list[dict[str, str]]] = defaultdict(list)
     for r in rows:
@@ -264,6 +273,20 @@ def measured_h200(plan: Sequence[ProbeSpec], window: float) -> Noise:
         pw = _shape([float(r["power_w"]) for r in rs], c.get("energy_cv", 0.0) or 0.0)
         shapes.append((rt, pw))
     return Noise(measured=shapes, name=f"measured H200 ({window:g} s window)")
+
+
+def measured_h100(plan: Sequence[ProbeSpec]) -> Noise:
+    """The measured H100 noise of ``plan``'s probes (the default sentinels): the shape
+    (tails, autocorrelation) and spread of 60 rounds of 0.5 s windows, 2 s apart."""
+    rows = _tar_csv(H100_TAR, "gpu_accept/noise.csv")
+    shapes = []
+    for spec in plan:
+        rs = [r for r in rows if r["probe"] == spec.name and r["outcome"] == "ok"]
+        if not rs:
+            raise SystemExit(f"drift.py: {H100_TAR}: no rounds of {spec.name}")
+        shapes.append((_shape([float(r["runtime_s"]) for r in rs]),
+                       _shape([float(r["power_w"]) for r in rs])))
+    return Noise(measured=shapes, name="measured H100 (0.5 s windows, 60 rounds 2 s apart)")
 
 
 # ---------------------------------------------------------------- the fleet
@@ -655,7 +678,7 @@ def causes(seeds: int, window: float) -> list[dict]:
 # ---------------------------------------------------------------- the real slowdown
 
 
-def replay(probes: Sequence[str] = ()) -> dict[str, str]:
+def replay(probes: Sequence[str] = (), archive: Path = NOISE_TAR) -> dict[str, str]:
     """The H200's real clock cap (bench/results/2026-11-26-h200, issue 22: SM clocks 5.3%
     then 10.6% lower, 3 rounds each) through today's detector, offline, exactly as
     ``bench/gpu_accept.py --replay`` does (``probes``: only these; all six of that run
@@ -667,7 +690,7 @@ def replay(probes: Sequence[str] = ()) -> dict[str, str]:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        gpu_accept.replay_archive(NOISE_TAR, list(probes))
+        gpu_accept.replay_archive(archive, list(probes))
     out = {}
     for line in buf.getvalue().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -844,6 +867,7 @@ def main() -> int:
     healthy += [Noise(s, cycle=0.02) for s in (0.01, 0.02)]
     healthy += [Noise(0.02, common=0.7), Noise(0.05, common=0.7), h200]
     healthy += [Noise(s, "exp") for s in (0.01, 0.02, 0.03)]  # last: the seeds above stay
+    healthy += [measured_h100(plan)]
     total_k, total_y = 0, 0.0
     for i, noise in enumerate(healthy):
         r = run_healthy(noise, G, days, nP, seed=100 + i)
@@ -923,9 +947,27 @@ def main() -> int:
             "alarm within 3 rounds, cause named", at.isdigit() and int(at) <= 3 and
             "clock" in cause)
 
-    costs = plan_costs()
+    for label, archive, lever in (
+            ("a real clock cap on an H100, SM clocks -5.3% (replayed)", H100_CLOCKS_TAR,
+             "clock"),
+            ("a real power-limit cut on an H100, 700 -> 630 W (replayed)", H100_TAR,
+             "power limit")):
+        fig = replay([s.name for s in plan], archive)
+        at = next((v for k, v in fig.items()
+                   if k.startswith("rounds until the device alarm at ")), "none")
+        cause = fig.get("the cause the alarm names", "-")
+        add(label, f"device alarm in round {at} of 3; cause: {cause}; false alarms before "
+            f"it: {fig.get('false alarms over the stock rounds (after the baseline)', '?')}",
+            "alarm within 3 rounds, cause named", at.isdigit() and int(at) <= 3 and
+            lever in cause)
+    rc = _tar_csv(H100_TAR, "gpu_accept/round_cost.csv")[0]
+    add("cost of the default plan (H100, 60 whole rounds measured)",
+        f"{float(rc['time_s']):.2f} GPU s per round ({100 * float(rc['duty_cycle']):.2f}%), "
+        "before the check and exploration", "<= 1% (1.2 s)", float(rc["time_s"]) <= 1.2)
+
+    costs = plan_costs(COST_CSV)
     cost = plan_cost(plan, window, costs)
-    add("cost of the default plan (H200, measured per probe)",
+    add("cost of the default plan (H100, measured per probe, the check every 10th)",
         f"{cost:.2f} GPU s per {ROUND_S:.0f} s round ({100 * cost / ROUND_S:.2f}%)"
         if cost else "not measured at this window", "<= 1% (1.2 s)",
         cost is not None and cost <= 1.2)
@@ -942,10 +984,11 @@ def main() -> int:
               "the rounds watched.", ""]
 
     # The trade-off curve.
-    lines += ["| plan (probes x window) | GPU s per round (H200) | duty | runtime / energy CV "
+    lines += ["| plan (probes x window) | GPU s per round (H100) | duty | runtime / energy CV "
               "(measured) | 5% runtime: p50 / p90 | 5% power: p50 / p90 | 2% noise, 5% "
               "runtime: p50 / p90 | false alarms, measured noise |",
               "|---|---|---|---|---|---|---|---|"]
+    h200_costs = plan_costs()  # the spread of the noise the curve's plans are judged under
     curve = [(1, 0.5), (1, 1.0), (2, 0.25), (2, 0.5), (2, 1.0), (3, 0.5), (4, 0.5), (5, 1.0)]
     for j, (k_, w_) in enumerate(curve):
         specs = CANDIDATES[:k_]
@@ -953,7 +996,7 @@ def main() -> int:
         if c is None:
             continue
         noise = measured_h200(specs, w_)
-        cvs = [costs.get((s.name, w_, 0.02)) or costs.get((s.name, w_, 0.1)) or {}
+        cvs = [h200_costs.get((s.name, w_, 0.02)) or h200_costs.get((s.name, w_, 0.1)) or {}
                for s in specs]
         rt = max(x.get("runtime_cv", math.nan) for x in cvs)
         en = max(x.get("energy_cv", math.nan) for x in cvs)
@@ -974,10 +1017,11 @@ def main() -> int:
         print(lines[-1], flush=True)
     lines += ["", "Plans take the probes in this order: " + ", ".join(
         s.name for s in CANDIDATES[:5]) + ". GPU seconds: the median elapsed device time "
-        "per probe measured on the H200 at that window (warm-up 0.02 s; 1 s: 0.1 s), with "
-        "the correctness check every 10th probe (what a check of a dtype checked before "
-        "cost: at most +0.03 s; the first of each dtype, +0.22 s, is paid once); the old "
-        "default (6 x 1 s) measured 8.45 s a round. Noise: 'measured H200' at that window. "
+        "per probe measured on the H100 at that window with this protocol (warm-up 0.02 s; "
+        "1 s: 0.1 s; bench/results/2026-11-26-h100-power-plan), with the correctness check "
+        "every 10th probe (what a check of a dtype checked before cost there; the first of "
+        "each dtype is paid once); the old default (6 x 1 s) measured 8.45 s a round on the "
+        "H200. Runtime and energy CV and noise: 'measured H200' at that window. "
         "5% power: every probe's power (and energy) 5% higher at the same runtime.", ""]
 
     pr = peers(hosts=30 if not args.quick else 5, rounds=20, seed=500)
