@@ -180,7 +180,6 @@ class NvidiaDevice(Device):
     ``cupy``, ``cublas``, ``nvml`` and the clock are injected in tests (stand-ins checked
     against the real libraries, a virtual clock); by default the real ones are used.
     """
-
     bounds_window = True  # run_observed() ends the window at max_s (see _run)
 
     def __init__(self, record: GpuRecord, *, memory_budget: int, seed: int = 0,
