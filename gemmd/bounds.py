@@ -30,9 +30,9 @@ IDLE_SHARE = 0.04
 # (RTX 4070) of it and the H200's 1 s probes back to back 1.002, but an H100's default
 # 0.5 s bf16 windows, each after 2 s of idle, read 1.046-1.174 (median 1.123; back to
 # back 0.96-1.09; after 90 s of idle 1.136: bench/results/2026-11-26-h100-power and
-# -h100-idle). The predicted power (a mean, and
-# for data of long windows) stays at or below the limit; its interval, which is for a
-# measurement, and what a measurement may read, reach this much above it.
+# -h100-idle). The predicted power (a mean, and for data of long windows) stays at or
+# below the limit; its interval, which is for a measurement, and what a measurement may
+# read, reach this much above it.
 LIMIT_TOLERANCE = 0.20
 # Backends whose peak figures are not upper bounds (the CPU backend estimates them).
 UNBOUNDED_BACKENDS = frozenset({"cpu"})

@@ -96,3 +96,31 @@ def test_a_past_gpu_runs_slowdown_replays_through_todays_detector():
     assert "| 20 | clocks -5% (1875 MHz) |" in p.stdout
     assert "false alarms over the stock rounds (after the baseline) | 0 | 0 | yes" in p.stdout
     assert "`rebaseline` clears the alarm" in p.stdout
+
+
+def _idle(out, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("GEMMD_CONFIG", None)
+    return subprocess.run([sys.executable, "bench/power_after_idle.py", str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_power_after_idle_writes_a_row_per_probe_and_gap(tmp_path):
+    r = _idle(tmp_path, "--backend", "fake", "--gaps", "0,0.1")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader(open(tmp_path / "power_after_idle.csv")))
+    assert [(x["round"], x["gap_s"]) for x in rows] == [("0", "0.0")] * 2 + [("1", "0.1")] * 2
+    assert {x["probe"] for x in rows} == {"blas-bf16-nn-8192x8192x8192",
+                                          "blas-fp32-nn-8192x8192x8192"}
+    for x in rows:
+        assert x["outcome"] == "ok"
+        assert float(x["power_over_limit"]) == pytest.approx(
+            float(x["power_w"]) / float(x["power_limit_w"]))
+
+
+@pytest.mark.parametrize("gaps", ["a,b", "-1", "", "5000"])
+def test_power_after_idle_refuses_bad_gaps_in_one_line(tmp_path, gaps):
+    r = _idle(tmp_path, "--backend", "fake", "--gaps", gaps)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"--gaps {gaps!r}" in r.stderr
+    assert not (tmp_path / "power_after_idle.csv").exists()
