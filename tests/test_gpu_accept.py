@@ -86,6 +86,28 @@ def test_a_folder_holding_other_files_is_refused(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["old.csv"]
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--rounds", "2"], "--rounds 2: must be 3 to 1000"),
+    (["--rounds", "x"], "--rounds: invalid int value"),
+    (["--gap", "-1"], "--gap -1.0: must be 0 to 600 seconds"),
+    (["--gap", "nan"], "--gap nan: must be 0 to 600 seconds"),
+    (["--slowdown", "fans"], "--slowdown: invalid choice"),
+])
+def test_bad_step_options_are_one_line_and_write_nothing(tmp_path, args, says):
+    p = _accept(tmp_path / "out", *args)
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_spaced_rounds_say_so_and_run_as_many_as_asked(tmp_path):
+    p = _accept(tmp_path, "--only", "4", "--rounds", "4", "--gap", "0.05")
+    assert p.returncode == 0, p.stderr
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "4 rounds of the 2 default sentinels, 0.05 s of idle between rounds" in summary
+    rows = list(csv.DictReader(io.StringIO(_archive(tmp_path)["noise.csv"])))
+    assert sorted({r["round"] for r in rows}) == ["0", "1", "2", "3"]
+
+
 def test_a_past_gpu_runs_slowdown_replays_through_todays_detector():
     """The H200's real clock cap (bench/results/2026-11-26-h200), offline."""
     archive = ROOT / "bench/results/2026-11-26-h200/results.tar.gz"
