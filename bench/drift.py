@@ -679,10 +679,10 @@ def causes(seeds: int, window: float) -> list[dict]:
 
 
 def replay(probes: Sequence[str] = (), archive: Path = NOISE_TAR) -> dict[str, str]:
-    """The H200's real clock cap (bench/results/2026-11-26-h200, issue 22: SM clocks 5.3%
-    then 10.6% lower, 3 rounds each) through today's detector, offline, exactly as
-    ``bench/gpu_accept.py --replay`` does (``probes``: only these; all six of that run
-    otherwise): its figures, by name."""
+    """A GPU run's real slowdown (``archive``; by default the H200's clock cap,
+    bench/results/2026-11-26-h200, issue 22: SM clocks 5.3% then 10.6% lower, 3 rounds
+    each) through today's detector, offline, exactly as ``bench/gpu_accept.py --replay``
+    does (``probes``: only these; all of that run's otherwise): its figures, by name."""
     import contextlib
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -52,24 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     for spec in plan:  # buffers and graphs first, as a daemon that has run before has them
         measure_row(dev, spec, cfg.probes.measure)
     args.outdir.mkdir(parents=True, exist_ok=True)
-    w = None
-    with open(args.outdir / "power_after_idle.csv", "w", newline="") as f:
-        for rnd, gap in enumerate(gaps):
-            time.sleep(gap)
-            for spec in plan:
-                r = measure_row(dev, spec, cfg.probes.measure)
-                limit = r.get("power_limit_w")
-                row = {"round": rnd, "gap_s": gap, **r,
-                       "power_over_limit": r["power_w"] / limit
-                       if r.get("power_w") and limit else None}
-                if w is None:
-                    w = csv.DictWriter(f, fieldnames=list(row), extrasaction="ignore")
-                    w.writeheader()
-                w.writerow(row)
-                print(f"gap {gap:g} s: {spec.name}: {r.get('outcome')} "
-                      f"power {r.get('power_w')} W, /limit {row['power_over_limit']}",
-                      flush=True)
-            f.flush()
+    rows: list[dict] = []
+    for rnd, gap in enumerate(gaps):
+        time.sleep(gap)
+        for spec in plan:
+            r = measure_row(dev, spec, cfg.probes.measure)
+            limit = r.get("power_limit_w")
+            rows.append({"round": rnd, "gap_s": gap, **r,
+                         "power_over_limit": r["power_w"] / limit
+                         if r.get("power_w") and limit else None})
+            print(f"gap {gap:g} s: {spec.name}: {r.get('outcome')} "
+                  f"power {r.get('power_w')} W, /limit {rows[-1]['power_over_limit']}",
+                  flush=True)
+        # Rewritten whole after each round: a failed probe's row has fewer columns.
+        with open(args.outdir / "power_after_idle.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+            w.writeheader()
+            w.writerows(rows)
     for d in devs:
         d.close()
     return 0
