@@ -16,8 +16,9 @@ first, and SUMMARY.md says what was cut):
 3. energy.csv        energy per GEMM over 10 repeats at 0.25-2 s windows, window delta and
                      counter-step method from the same run, the counter's update period
                      (target CV <= 2% at the default)
-4. noise.csv         every default sentinel over 20 rounds: CV, lag-1 autocorrelation, and
-                     the shape of the distribution (noise_stats.csv: kurtosis, tails)
+4. noise.csv         every default sentinel over 20 rounds (--rounds), 2 s apart on a GPU
+                     (--gap): CV, lag-1 autocorrelation, and the shape of the
+                     distribution (noise_stats.csv: kurtosis, tails)
 5. round_cost.csv    energy and time of one default round, average power at the interval;
                      phases.csv: where each probe's time goes beyond its window, host reads
 6. slowdown.csv      SM clocks lowered ~5% then ~10% (else the power limit), the default plan
@@ -72,6 +73,10 @@ if str(ROOT) not in sys.path:  # `python3 bench/gpu_accept.py` without PYTHONPAT
 
 TOTAL_TARGET_S = 480.0  # the whole run on an H100, full mode
 SENTINEL_ROUNDS = 20
+# Idle between step 4's rounds on a GPU: back to back they heat the card, and an H100's
+# power-capped bf16 sentinel read 2.1% runtime CV where 2 s apart it read 0.69%
+# (bench/results/2026-11-26-h100*); the daemon's rounds are 120 s apart.
+GPU_GAP_S = 2.0
 
 
 class Skip(Exception):
@@ -1487,7 +1492,7 @@ STEPS = [
     (1, "the machine", 10, 2, step_machine),
     (2, "throughput fidelity vs cupy/torch", 25, 10, step_fidelity),
     (3, "energy per GEMM: CV by window and method", 50, 15, step_energy),
-    (4, f"run-to-run noise, {SENTINEL_ROUNDS} rounds", 150, 40, step_noise),
+    (4, "run-to-run noise of the default sentinels", 150, 40, step_noise),
     (5, "round cost", 5, 2, step_round_cost),
     (6, "a real slowdown: clocks lowered, drift replayed", 60, 25, step_slowdown),
     (7, "host launch vs GPU time", 12, 5, step_launch),
@@ -1593,8 +1598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="run only these steps (numbers; e.g. a re-measurement)")
     ap.add_argument("--rounds", type=int, default=SENTINEL_ROUNDS, metavar="N",
                     help="step 4's rounds of the default sentinels (default %(default)s)")
-    ap.add_argument("--gap", type=float, default=0.0, metavar="SECONDS",
-                    help="step 4: idle seconds between rounds (default 0: back to back)")
+    ap.add_argument("--gap", type=float, default=None, metavar="SECONDS",
+                    help=f"step 4: idle seconds between rounds (default {GPU_GAP_S:g} on a "
+                         "GPU, 0 with --quick or on the fake backend)")
     ap.add_argument("--slowdown", choices=("clocks", "power"), default="clocks",
                     help="step 6 lowers the SM clocks 5%% and 10%% (default), or the power "
                          "limit 10%% and 20%%")
@@ -1609,6 +1615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--deadline {args.deadline}: must be at least 10 seconds")
     if not 3 <= args.rounds <= 1000:
         ap.error(f"--rounds {args.rounds}: must be 3 to 1000")
+    if args.gap is None:
+        args.gap = GPU_GAP_S if args.backend == "nvidia" and not args.quick else 0.0
     if not (math.isfinite(args.gap) and 0 <= args.gap <= 600):
         ap.error(f"--gap {args.gap}: must be 0 to 600 seconds")
     try:

@@ -106,6 +106,11 @@ def test_spaced_rounds_say_so_and_run_as_many_as_asked(tmp_path):
     assert "4 rounds of the 2 default sentinels, 0.05 s of idle between rounds" in summary
     rows = list(csv.DictReader(io.StringIO(_archive(tmp_path)["noise.csv"])))
     assert sorted({r["round"] for r in rows}) == ["0", "1", "2", "3"]
+    # Without --gap the simulated GPU's rounds run back to back (a real one's 2 s apart).
+    p = _accept(tmp_path / "again", "--only", "4", "--rounds", "3")
+    assert p.returncode == 0, p.stderr
+    assert "3 rounds of the 2 default sentinels, back to back" in \
+        (tmp_path / "again" / "SUMMARY.md").read_text()
 
 
 def test_a_past_gpu_runs_slowdown_replays_through_todays_detector():
