@@ -818,6 +818,32 @@ def measure_plan(out: Path, seconds: float) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- a young GPU
+
+
+def young(gpus: int) -> list[str]:
+    """``--young``: a 5% step on every probe from round s of a GPU's life, caught within a
+    day, under each noise (docs/drift.md, "Weak, and why: a GPU's first hours")."""
+    plan = default_plan()
+    noises = [measured_h200(plan, MeasureConfig().window_s), measured_h100(plan),
+              Noise(0.005), Noise(0.01), Noise(0.02)]
+    starts = (12, 30, 60, 100)
+    lines = [f"A 5% step on every probe from round s, caught within a day ({gpus} GPUs, the "
+             "default plan): share caught, p50 rounds from the step.", "",
+             "| noise | " + " | ".join(f"s = {s}" for s in starts) + " |",
+             "|---|" + "---|" * len(starts)]
+    for j, noise in enumerate(noises):
+        cells = []
+        for s in starts:
+            d = step_at(s, gpus, len(plan), noise, seed=600 + 10 * j + s, watch=DAY,
+                        size=math.log(1.05))
+            k = int(np.isfinite(d).sum())
+            cells.append(f"{100 * k / len(d):.0f}%, p50 {fmt_q(d, 0.5)}" if len(d) else "-")
+        lines.append(f"| {noise.label()} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -830,9 +856,17 @@ def main() -> int:
     ap.add_argument("--measure-plan", metavar="OUTDIR",
                     help="on a GPU: measure the cost of short windows (plan_cost.csv)")
     ap.add_argument("--seconds", type=float, default=105.0)
+    ap.add_argument("--young", action="store_true",
+                    help="only the table of a 5%% step in a GPU's first hours")
     args = ap.parse_args()
     if args.measure_plan:
         return measure_plan(Path(args.measure_plan), args.seconds)
+    if args.young:
+        logging.getLogger("gemmd.drift").setLevel(logging.ERROR)
+        out = young(60 if args.quick else 200)
+        if args.markdown:
+            Path(args.markdown).write_text("\n".join(out) + "\n")
+        return 0
     if args.quick:
         args.gpus, args.days = 60, 1.0
     logging.getLogger("gemmd.drift").setLevel(logging.ERROR)
