@@ -63,13 +63,18 @@ def allowance(shift: float, tolerance: float = 0.0) -> float:
     return (s + math.log1p(min(max(tolerance, 0.0), shift))) / 2
 
 
+def _chi2_over_nu(nu: Any, z: float) -> Any:
+    """chi2_p(nu) / nu by Wilson-Hilferty, ``z`` the normal quantile of p (negative for a
+    lower quantile; the cube root's base kept at least 0.05)."""
+    return np.maximum(1 - 2 / (9 * nu) + z * np.sqrt(2 / (9 * nu)), 0.05) ** 3
+
+
 def upper_bound_factor(n_eff: Any, z: float = 2.326) -> Any:
     """sigma_99% / sigma_hat for a variance estimated with n_eff - 1 degrees of freedom:
-    sqrt(nu / chi2_0.01(nu)), the quantile by Wilson-Hilferty (``z``: another level's
-    normal quantile). Scalars or arrays."""
+    sqrt(nu / chi2_0.01(nu)) (``z``: another level's normal quantile). Scalars or
+    arrays."""
     nu = np.maximum(np.asarray(n_eff, float) - 1.0, 1.0)
-    c = 1 - 2 / (9 * nu) - z * np.sqrt(2 / (9 * nu))
-    out = np.sqrt(1.0 / np.maximum(c, 0.05) ** 3)
+    out = np.sqrt(1.0 / _chi2_over_nu(nu, -z))
     return float(out) if out.ndim == 0 else out
 
 
@@ -398,9 +403,7 @@ def _noisier(noise: dict[str, float], values: list[float], cut: int) -> bool:
         return False
     phi, var_e = _ar1(noise.get("cxx", 0.0), noise.get("cxy", 0.0), noise.get("cyy", 0.0))
     expected = float(2 * var_e / (1 + phi))
-    nu = float(len(d))
-    q = (1 - 2 / (9 * nu) + 2.326 * math.sqrt(2 / (9 * nu))) ** 3  # chi2_0.99(nu) / nu
-    return bool(np.mean(d * d) > q * expected)
+    return bool(np.mean(d * d) > float(_chi2_over_nu(float(len(d)), 2.326)) * expected)
 
 
 def noise_of(track: Track) -> dict[str, float] | None:
