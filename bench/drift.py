@@ -969,24 +969,16 @@ def main() -> int:
         f"{fmt_q(c['delay'], 0.5)} rounds" for c in cs) + ")", "right in every case",
         right == n)
 
-    for label, names in (("the default plan", [s.name for s in plan]),
-                         ("all 6 probes of that run", [])):
-        fig = replay(names)
-        at = next((v for k, v in fig.items() if k.startswith("rounds until the device alarm at "
-                                                               "clocks -5%")), "none")
-        cause = fig.get("the cause the alarm names", "-")
-        add(f"a real clock cap on an H200, SM clocks -5.3% (replayed), {label}",
-            f"device alarm in round {at} of 3; cause: {cause}; false alarms before it: "
-            f"{fig.get('false alarms over the stock rounds (after the baseline)', '?')}",
-            "alarm within 3 rounds, cause named", at.isdigit() and int(at) <= 3 and
-            "clock" in cause)
-
-    for label, archive, lever in (
-            ("a real clock cap on an H100, SM clocks -5.3% (replayed)", H100_CLOCKS_TAR,
-             "clock"),
-            ("a real power-limit cut on an H100, 700 -> 630 W (replayed)", H100_TAR,
-             "power limit")):
-        fig = replay([s.name for s in plan], archive)
+    default = [s.name for s in plan]
+    h200_cap = "a real clock cap on an H200, SM clocks -5.3% (replayed)"
+    for label, names, archive, lever in (
+            (f"{h200_cap}, the default plan", default, NOISE_TAR, "clock"),
+            (f"{h200_cap}, all 6 probes of that run", [], NOISE_TAR, "clock"),
+            ("a real clock cap on an H100, SM clocks -5.3% (replayed)", default,
+             H100_CLOCKS_TAR, "clock"),
+            ("a real power-limit cut on an H100, 700 -> 630 W (replayed)", default,
+             H100_TAR, "power limit")):
+        fig = replay(names, archive)
         at = next((v for k, v in fig.items()
                    if k.startswith("rounds until the device alarm at ")), "none")
         cause = fig.get("the cause the alarm names", "-")
