@@ -176,7 +176,8 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
         logo = prior.meta.get("logo", {}).get("runtime", {})
         print(f"  prior {'+'.join(members)}: {fit_s:.1f} s, w, a = {logo.get('w')}, "
               f"{logo.get('a')}, level worth {logo.get('level_n0_by_n') or logo.get('level_n0')} "
-              "probes (per number of probes)",
+              "probes (per number of probes), a new kernel's scatter "
+              f"{prior.meta.get('ood_sd', {}).get('runtime', {}).get('scatter')}",
               file=sys.stderr, flush=True)
         for g in G:
             if g in members or (sname.startswith("others->") and not sname.endswith(g)):

@@ -26,7 +26,7 @@ from gemmd.model.offsets import (
     level_n0,
 )
 from gemmd.model.persistence import MODEL_FORMAT
-from gemmd.model.space import LAUNCH_S
+from gemmd.model.space import LAUNCH_S, runtime_reference
 from gemmd.model.transfer import (
     BLEND_WEIGHTS,
     CHOICES,
@@ -280,13 +280,18 @@ def with_power(t: Table, seed: int) -> Table:
     return t
 
 
+def fleet_rows() -> list[Table]:
+    """Three GPU models that share how efficiency changes with size, each at its own
+    level."""
+    return [rows(A100, 250, 20, 0.8, ("bf16", "fp16")),
+            rows(L40S, 250, 21, 0.55, ("bf16", "fp16")),
+            rows(B200, 250, 22, 0.65, ("bf16", "fp16"))]
+
+
 @pytest.fixture(scope="module")
 def fleet():
-    """A prior over three GPU models that share how efficiency changes with size, each at
-    its own level: leave-one-GPU-out has something to judge."""
-    return ForestModel.fit_table(features.concat([
-        rows(A100, 250, 20, 0.8, ("bf16", "fp16")), rows(L40S, 250, 21, 0.55, ("bf16", "fp16")),
-        rows(B200, 250, 22, 0.65, ("bf16", "fp16"))]), CFG)
+    """A prior over fleet_rows: leave-one-GPU-out has something to judge."""
+    return ForestModel.fit_table(features.concat(fleet_rows()), CFG)
 
 
 def test_leave_one_gpu_out_decides_how_an_unknown_gpu_is_predicted(fleet):
@@ -425,6 +430,47 @@ def test_a_kernel_the_prior_never_saw_is_calibrated_by_its_own_probes(fleet):
     assert mape(tm.predict_table(test), test) < 0.6
     # the known kernel's level is not pulled by them
     assert abs(cal.groups["runtime"]["bf16/blas"]) < 0.3
+
+
+def test_a_kernel_neither_the_prior_nor_the_probes_saw_keeps_its_spread(fleet):
+    """Probes of a known kernel say nothing of one no GPU of the prior ran: its rows keep
+    the unknown kernel's spread (before: a dtype's, 0.35, and the tiled kernel's rows,
+    30x off the estimate, fell outside a 3x interval that had been 14x without probes)."""
+    blas = rows(H100, 20, 80, 0.45, ("bf16",))
+    tm = TransferModel.fit(fleet, blas, CFG, select=False)
+    test = rows(H100, 60, 82, 0.45 / 30, ("fp32",), kernel="tiled")
+    before, after = fleet.predict_table(test)["runtime"], tm.predict_table(test)["runtime"]
+    assert np.median(after["sigma"]) >= OOD_SD["runtime"]["kernel"]
+    assert np.median(after["sigma"]) > 0.8 * np.median(before["sigma"])
+    # a known kernel's dtype the probes did not cover: a dtype's spread, as before
+    other = rows(H100, 60, 83, 0.45, ("fp16",))
+    sd = tm.predict_table(other)["runtime"]["sigma"]
+    assert np.median(sd) < OOD_SD["runtime"]["kernel"]
+
+
+def test_a_new_kernels_scatter_starts_from_the_training_data(fleet):
+    """A kernel the prior never ran is predicted with no shape; its probes' scatter about
+    their offset starts from the most scattered (GPU model, dtype, kernel) of the
+    training data, not from the offset's spread (1.5: the RTX 4070's CUTLASS intervals
+    were 2.4-2.7 in log at 5 probes where 0.5-0.8 held 90% of its rows)."""
+    def spread(v):  # the sd whose 90% interval holds 90% of them
+        return np.quantile(np.abs(v - np.median(v)), 0.9) / NormalDist().inv_cdf(0.95)
+
+    scatter = fleet.meta["ood_sd"]["runtime"]["scatter"]
+    widest = max(spread(np.log(t["runtime_s"] / runtime_reference(t))[t["dtype"] == d])
+                 for t in fleet_rows() for d in ("bf16", "fp16"))
+    assert scatter == pytest.approx(widest)
+    assert scatter < OOD_SD["runtime"]["kernel"]
+    probes = rows(H100, 5, 84, 0.45 / 3, ("fp32",), kernel="tiled")
+    s = calibrate(fleet, probes)[H100.uuid].group_scatter["runtime"]["fp32/tiled"]
+    old = copy.deepcopy(fleet)  # a model saved before: the offset's spread, as then
+    del old.meta["ood_sd"]["runtime"]["scatter"]
+    s_old = calibrate(old, probes)[H100.uuid].group_scatter["runtime"]["fp32/tiled"]
+    assert s < 0.7 * s_old and s >= 0.5 * scatter
+    test = rows(H100, 200, 85, 0.45 / 3, ("fp32",), kernel="tiled")
+    for m in (fleet, old):
+        assert coverage(TransferModel.fit(m, probes, CFG, select=False).predict_table(test),
+                        test) >= 0.85
 
 
 def test_the_level_worth_is_validated_per_number_of_probes():

@@ -12,7 +12,7 @@ import numpy as np
 from gemmd.features import Table
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
-from gemmd.model.domain import OOD_SD, _log2_sizes
+from gemmd.model.domain import _log2_sizes
 from gemmd.model.forest import ForestModel
 from gemmd.model.offsets import (
     GROUP_SD_KNOWN,
@@ -74,7 +74,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             ok = np.isfinite(r)
             if not ok.any():
                 continue
-            tau_o = OOD_SD.get(target, OOD_SD["runtime"])
+            tau_o = prior.ood_sd(target)
             e, g = r[ok], g_all[ok]
             if unknown:
                 n_shapes = len(np.unique(shape_ids[sel][ok]))
@@ -99,10 +99,14 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             n_g = np.bincount(gi, minlength=len(names)).astype(float)
             sid = np.unique(shape_ids[sel][ok], return_inverse=True)[1].ravel()
             u = 1.0 / np.bincount(sid)[sid]
-            # a kernel the prior never saw: its probes' scatter is its own, and until
-            # they say otherwise as wide as its offset's prior spread
+            # a kernel the prior never saw: its offset counts a probe as half (scatter
+            # as wide as the offset's prior spread: one probe of GPPerf's tiled kernel,
+            # whose efficiency spans decades, is not its level), and its probes' scatter
+            # is its own, until they say otherwise as wide as the most scattered kernel
+            # of the training data (validation._kernel_scatter; else the offset's spread)
             new_kernel = np.array([nm.split("/")[1] not in known_kernels for nm in names])
             s0_g = np.where(new_kernel, tau_o["kernel"], s0)
+            s_new = max(tau_o.get("scatter", tau_o["kernel"]), s0)
             b, cg = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g)
             resid = e - b - cg[gi]
             mine = ~new_kernel[gi]
@@ -111,7 +115,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             for i in np.flatnonzero(new_kernel):
                 r_g = resid[gi == i]
                 cal.group_scatter.setdefault(target, {})[str(names[i])] = math.sqrt(
-                    (RESID_DOF0 * s0_g[i] ** 2 + float(np.sum(r_g**2))) /
+                    (RESID_DOF0 * s_new**2 + float(np.sum(r_g**2))) /
                     (RESID_DOF0 + len(r_g)))
             cal.level[target] = b
             cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, cg)}

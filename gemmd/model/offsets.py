@@ -94,8 +94,11 @@ class DeviceCalibration:
     def offset(self, target: str, group: str) -> float:
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)
 
-    def variance(self, target: str, group: str) -> float:
-        """Variance of a new measurement around the calibrated prediction (log space)."""
+    def variance(self, target: str, group: str, unseen_sd: float | None = None) -> float:
+        """Variance of a new measurement around the calibrated prediction (log space).
+        ``unseen_sd``: the prior spread of ``group``'s offset where neither the prior nor
+        the probes saw it (a kernel the prior never ran: OOD_SD's "kernel"); else that
+        of a dtype outside the domain."""
         s2 = self.sd[target] ** 2
         own = self.group_scatter.get(target, {}).get(group)
         if own is not None:
@@ -104,7 +107,8 @@ class DeviceCalibration:
         n_g = self.counts.get(target, {}).get(group, 0)
         tau = self.group_sd.get(target, {}).get(group)
         if tau is None:  # a group neither the prior nor the probes saw
-            tau = OOD_SD.get(target, OOD_SD["runtime"])["dtype"]
+            tau = unseen_sd if unseen_sd is not None else \
+                OOD_SD.get(target, OOD_SD["runtime"])["dtype"]
         var += tau**2 if n_g == 0 else s2 / (n_g + s2 / max(tau, 1e-6) ** 2)
         return var if own is not None else var * self.scale.get(target, 1.0) ** 2
 

@@ -395,7 +395,12 @@ class TransferModel:
                 if not len(idx):
                     continue
                 off = np.array([cal.offset(target, g) for g in groups[idx]])
-                var = np.array([cal.variance(target, g) for g in groups[idx]])
+                # a kernel the prior never ran keeps its spread until probes of it say
+                # otherwise (before, 0.35 as a dtype: GPPerf's tiled kernel, 50-100x off
+                # the estimate, went from a 14x interval at no probe to a 3x one at 5
+                # probes of CUTLASS)
+                var = np.array([cal.variance(target, g, None if g.split("/")[1] in kernels
+                                             else tau["kernel"]) for g in groups[idx]])
                 mu[idx] += off
                 extra_sz = (size_sd * _size_d(fl["size"][idx])) ** 2
                 if choice == "residual" and target in res_logs:

@@ -131,6 +131,10 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
                               model)
         if size is not None:
             tau["size"] = ood.setdefault(target, {})["size"] = size
+        if target == "runtime":
+            scatter = _kernel_scatter(t, y, cfg.interval, z)
+            if scatter is not None:
+                ood.setdefault(target, {})["scatter"] = scatter
         rec = _validate_transfer(t, X, gid, target, y, sigma[target], in_scale[target], cfg,
                                  z, tau, model)
         if rec:
@@ -141,6 +145,24 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
                 max(rec["gpu_sd"], tau["gpu"])
             ood.setdefault(target, {})["gpu"] = gpu
     return ood, transfer
+
+
+def _kernel_scatter(t: Table, y: np.ndarray, p: float, z: float) -> float | None:
+    """How far a kernel's runtime strays from one efficiency level across sizes, at most,
+    on the training data: the largest spread of ``y`` (log runtime over the roofline
+    reference) about its median within a (GPU model, dtype, kernel) with LOGO_MIN_ROWS
+    measured rows, as the sd whose interval at ``p`` (``z`` sds) holds ``p`` of them
+    (efficiency is skewed, 0.05-0.95 of peak with size: a MAD's sd held 78% of a
+    synthetic kernel's rows). A kernel the prior never ran is predicted with no shape
+    (the roofline estimate), and its probes' scatter about their offset is taken as this
+    until they say otherwise (calibrate); None without such a group."""
+    ok = np.isfinite(y)
+    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device]
+    groups = np.char.add(keys.astype(str), np.char.add("/", _groups(t).astype(str)))
+    spreads = [float(np.quantile(np.abs(v - np.median(v)), p)) / z
+               for v in (y[ok & (groups == g)] for g in np.unique(groups[ok]))
+               if len(v) >= LOGO_MIN_ROWS]
+    return max(spreads) if spreads else None
 
 
 def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.ndarray,
