@@ -6,8 +6,9 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
 - **coverage**: the share of measurements inside the nominal interval (model.interval,
   90%), before (the trees' spread and the noise, as gemmd had it) and after (interval
   scale from out-of-bag residuals, widening outside the domain), for predictions on the
-  model's own GPU (random and unseen-shape splits), on a GPU left out of training, and on
-  a dtype/kernel left out of a GPU's training data;
+  model's own GPU (random and unseen-shape splits), on a GPU left out of training, on
+  a dtype/kernel left out of a GPU's training data, and on sizes beyond the training's
+  (the largest ~15% of M, N or K held out, at a distinct size);
 - **transfer** (leave one GPU out): a prior fitted on the other GPUs (``--pairs``: also
   on each other GPU alone), saved, loaded and judged on the left-out GPU by the code of
   ``gemmd evaluate --model FILE --calibrate-rows N --seeds S`` (evaluate.evaluate_model):
@@ -129,7 +130,29 @@ def coverage(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
             sel = (t["dtype"] == d) & (t["kernel"] == k)
             model = ForestModel.fit_table(t.take(np.flatnonzero(~sel)), cfg)
             add(f"{d}/{k} left out", g, model, t.take(np.flatnonzero(sel)))
+    for g, t in G.items():
+        for dim in ("m", "n", "k"):
+            cut = beyond_cut(t[dim])
+            if cut is None:
+                continue
+            sel = t[dim] > cut
+            model = ForestModel.fit_table(t.take(np.flatnonzero(~sel)), cfg)
+            add(f"{dim.upper()} > {cut:,} (trained <=)", g, model, t.take(np.flatnonzero(sel)))
     return rows
+
+
+def beyond_cut(v: np.ndarray, share: float = 0.15, least: int = 20) -> int | None:
+    """The distinct size of ``v`` whose share of rows above it is nearest ``share``: the
+    largest sizes held out, to judge a model on sizes beyond its training (issue 25: a size
+    beyond the trained range in M, N or K is flagged and its interval widened); None where
+    fewer than ``least`` rows would be held out or kept."""
+    u = np.unique(v)
+    if len(u) < 2:
+        return None
+    above = np.array([np.mean(v > c) for c in u[:-1]])
+    cut = int(u[:-1][int(np.argmin(np.abs(above - share)))])
+    n = int((v > cut).sum())
+    return cut if least <= n <= len(v) - least else None
 
 
 # ------------------------------------------------------------------ transfer

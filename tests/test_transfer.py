@@ -695,3 +695,52 @@ def test_power_probes_of_a_one_gpu_prior_keep_their_weight():
                     for s in range(5)])
     assert five < 0.7 * none
     assert level_n0({}, 5, "power") == level_n0({}, 50, "energy") == 0.36
+
+
+def test_bench_holds_out_the_largest_sizes_at_a_distinct_size():
+    """bench/transfer.py's size-extrapolation case: the largest ~15% of a dimension held
+    out at a boundary between distinct sizes (sizes lie on grids: a quantile would split
+    one), never leaving fewer than 20 rows on either side."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_transfer", Path(__file__).resolve().parent.parent / "bench" / "transfer.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    grid = np.repeat([512, 1024, 2048, 128256], [100, 100, 100, 50])
+    assert bench.beyond_cut(grid) == 2048  # 50 of 350 above: 14%
+    assert bench.beyond_cut(np.repeat([256, 4096], [300, 10])) is None  # 10 rows only
+    assert bench.beyond_cut(np.full(100, 512)) is None
+
+
+def test_extrapolation_is_widened_per_dimension():
+    """Beyond the trained K a GEMM's efficiency keeps changing (here by a third per
+    factor of 2), beyond the trained M it does not: fit-time validation measures each
+    dimension's spread, and a row beyond the K the model saw is widened by K's, enough
+    to cover it, while one as far beyond its M keeps a narrow interval (one spread for
+    all held 78% of the MI355X's rows beyond its trained K, 97% beyond its M)."""
+    def grid(n, seed, k_hi=13, m_hi=13):
+        rng = np.random.default_rng(seed)
+        recs = [{"m": int(2 ** rng.integers(8, m_hi + 1)), "n": int(2 ** rng.integers(8, 14)),
+                 "k": int(2 ** rng.integers(8, k_hi + 1)), "dtype": "bf16"} for _ in range(n)]
+        t = Table.from_rows(recs, [A100] * n)
+        eff = 0.8 * np.exp(-0.35 * (13 - np.log2(t["k"]))) * np.exp(rng.normal(0, 0.03, n))
+        t.cols["runtime_s"] = features.roofline(t) / np.minimum(eff, 0.95) + 4e-6
+        return t
+
+    model = ForestModel.fit_table(grid(600, 0, k_hi=11), CFG)
+    tau = model.ood_sd("runtime")
+    assert tau["size_k"] > 3 * tau["size_m"]
+    beyond_k = grid(200, 1, k_hi=13)
+    beyond_k = beyond_k.take(np.flatnonzero(beyond_k["k"] > 2 ** 11))
+    res = model.predict_table(beyond_k)["runtime"]
+    assert not res["in_domain"].any()
+    assert coverage({"runtime": res}, beyond_k) >= 0.85
+    m_model = ForestModel.fit_table(grid(600, 2, m_hi=11), CFG)
+    beyond_m = grid(200, 3)
+    beyond_m = beyond_m.take(np.flatnonzero(beyond_m["m"] > 2 ** 11))
+    res_m = m_model.predict_table(beyond_m)["runtime"]
+    assert np.median(res_m["sigma"]) < 0.5 * np.median(res["sigma"])
+    assert coverage({"runtime": res_m}, beyond_m) >= 0.85

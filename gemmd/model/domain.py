@@ -107,13 +107,15 @@ def domain_record(t: Table) -> dict[str, Any]:
 def domain_flags(rec: Mapping[str, Any] | None, t: Table,
                  extra: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Per row, how it lies outside the domain ``rec``: "gpu", "dtype", "kernel" (bool
-    arrays), "size" (factors of 2 beyond the trained range, >= 0), "in_domain" and
+    arrays), "size" (factors of 2 beyond the trained range, >= 0, in the dimension of
+    _SIZES it lies farthest beyond: "size_dim", its index), "in_domain" and
     "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
     calibration has seen on a device. A model without a record (older files) is taken
     to know everything."""
     n = len(t)
     out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
                            "kernel": np.zeros(n, bool), "size": np.zeros(n),
+                           "size_dim": np.zeros(n, np.int64),
                            "in_domain": np.ones(n, bool), "reason": np.full(n, "", object)}
     if not rec or not n:
         return out
@@ -157,6 +159,7 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
                                 SIZE_MARGIN_LOG2)
             dist = np.maximum(beyond.max(axis=1), 0.0)
             out["size"][sel] = dist
+            out["size_dim"][sel] = beyond.argmax(axis=1)
         out["reason"][sel] = "; ".join(parts)
     far = out["size"] > 0
     for i in np.flatnonzero(far):
@@ -171,6 +174,17 @@ def _size_d(d: np.ndarray) -> np.ndarray:
     return np.where(d > 0, np.maximum(d, SIZE_MIN_D), 0.0)
 
 
+def size_spread(tau: Mapping[str, float], flags: Mapping[str, Any]) -> np.ndarray:
+    """Per row: the spread per factor of 2 beyond the trained sizes of the dimension it
+    lies farthest beyond (``tau``'s "size_m", "size_n", "size_k", validated at fit time:
+    extrapolating in K is not extrapolating in M), else ``tau``'s "size" (FLOPs, or a
+    model saved without them)."""
+    dim = flags.get("size_dim")
+    if dim is None:
+        return np.full(len(flags["size"]), tau["size"])
+    return np.array([tau.get(f"size_{c}", tau["size"]) for c in _SIZES])[dim]
+
+
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
           skip: Sequence[str] = (), tau: Mapping[str, float] | None = None) -> np.ndarray:
     """sd combined with the spread (``tau``, else OOD_SD) of every way a row lies
@@ -181,7 +195,7 @@ def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
         if kind not in skip:
             var = var + np.where(flags[kind], tau[kind] ** 2, 0.0)
     if "size" not in skip:
-        var = var + (tau["size"] * _size_d(flags["size"])) ** 2
+        var = var + (size_spread(tau, flags) * _size_d(flags["size"])) ** 2
     return np.sqrt(var)
 
 

@@ -26,6 +26,7 @@ from gemmd.model.domain import (
     domain_flags,
     domain_record,
     result,
+    size_spread,
     to_predictions,
     widen,
 )
@@ -344,8 +345,9 @@ class TransferModel:
         res_logs = self._tree_logs("residual", self.residual, t) if "residual" in used else {}
         few_logs = self._tree_logs("few", self.few, t) if "few" in used else {}
         # how far outside the probes' sizes a row is (the trees on them extrapolate flat)
-        near = domain_flags(self.probe_domain, t)["size"] if self.probe_domain and \
-            "few" in used else np.zeros(len(t))
+        near_fl = domain_flags(self.probe_domain, t) if self.probe_domain and \
+            "few" in used else None
+        near = near_fl["size"] if near_fl is not None else np.zeros(len(t))
         q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
         recs = self.prior.meta.get("domain_targets") or {}
         for target, (mu, sd) in logs.items():
@@ -354,7 +356,9 @@ class TransferModel:
                 "kernels", []))
             mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau)
             choice = self.choice.get(target, "calibrated")
-            size_sd = tau["size"]
+            # per row, per factor of 2 beyond the probes' sizes, and beyond the prior's
+            size_sd = size_spread(tau, near_fl) if near_fl is not None else \
+                np.full(len(t), tau["size"])
             fl = flags[target]
             scale = self._row_scale(target, choice, t["kernel"],
                                     self.cv_scale.get(target, 1.0))
@@ -383,7 +387,7 @@ class TransferModel:
                     i = idx[mine]
                     fm, fs = few_logs[target]
                     mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
-                    sd[i] = np.sqrt(fs[i] ** 2 + (size_sd * near[i]) ** 2) * scale[i]
+                    sd[i] = np.sqrt(fs[i] ** 2 + (size_sd[i] * near[i]) ** 2) * scale[i]
                     zrow[i] = q
                     idx, probed = idx[~mine], probed[~mine]
                 blend = choice == "blend" and target in few_logs and target in self.blend
@@ -391,7 +395,7 @@ class TransferModel:
                     b_rows = idx[probed]
                     fm, fs = few_logs[target]
                     b_mu = np.log(from_model_space(target, t.take(b_rows), fm[b_rows]))
-                    b_sd = np.sqrt(fs[b_rows] ** 2 + (size_sd * near[b_rows]) ** 2)
+                    b_sd = np.sqrt(fs[b_rows] ** 2 + (size_sd[b_rows] * near[b_rows]) ** 2)
                 if not len(idx):
                     continue
                 off = np.array([cal.offset(target, g) for g in groups[idx]])
@@ -402,7 +406,7 @@ class TransferModel:
                 var = np.array([cal.variance(target, g, None if g.split("/")[1] in kernels
                                              else tau["kernel"]) for g in groups[idx]])
                 mu[idx] += off
-                extra_sz = (size_sd * _size_d(fl["size"][idx])) ** 2
+                extra_sz = (size_spread(tau, fl)[idx] * _size_d(fl["size"][idx])) ** 2
                 if choice == "residual" and target in res_logs:
                     i = np.flatnonzero(probed)
                     rm, rs = res_logs[target]

@@ -129,8 +129,9 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
         tau = dict(OOD_SD.get(target, OOD_SD["runtime"]))
         size = _validate_size(t, X, gid, target, y, sigma[target], in_scale[target], cfg, z,
                               model)
-        if size is not None:
-            tau["size"] = ood.setdefault(target, {})["size"] = size
+        if size:
+            tau.update(size)
+            ood.setdefault(target, {}).update(size)
         if target == "runtime":
             scatter = _kernel_scatter(t, y, cfg.interval, z)
             if scatter is not None:
@@ -167,23 +168,27 @@ def _kernel_scatter(t: Table, y: np.ndarray, p: float, z: float) -> float | None
 
 def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.ndarray,
                    sigma: float, scale: float, cfg: ModelConfig, z: float, model: ModelClass
-                   ) -> float | None:
+                   ) -> dict[str, float]:
     """The spread per factor of 2 beyond the trained sizes that makes the nominal interval
-    hold there: the largest SIZE_SHARE of rows in M, N or K held out (then the smallest),
-    a forest fitted on the rest, and each held-out row's residual set against the
-    interval it would get in the domain, over how far beyond the range it lies (at least
-    SIZE_MIN_D factors of 2); the conformal quantile of what each needs. None when the
-    data do not span sizes enough to try."""
+    hold there, per dimension: for each of M, N and K, its largest and smallest
+    SIZE_SHARE of rows held out, a forest fitted on the rest, and each held-out row's
+    residual set against the interval it would get in the domain, over how far beyond the
+    range it lies (at least SIZE_MIN_D factors of 2); the conformal quantile of what each
+    needs ("size_m", "size_n", "size_k"), and of all of them ("size": for a row beyond
+    in FLOPs alone). Per dimension, because extrapolation is not alike in each: one
+    spread for all held 78% of the MI355X's rows beyond the K it was trained on, 97% beyond
+    its M (bench/transfer.py). {} when the data do not span sizes enough to try."""
     ok = np.isfinite(y)
     lg = np.column_stack([np.log2(t[c]) for c in ("m", "n", "k")])
+    out_sd: dict[str, float] = {}
     needs = []
-    for side in (1, -1):
+    for j, name in enumerate(("m", "n", "k")):
+        v = lg[ok, j]
+        u = np.unique(v)
+        if len(u) < 4:
+            continue
         out = np.zeros(len(t), dtype=bool)
-        for j in range(3):
-            v = lg[ok, j]
-            u = np.unique(v)
-            if len(u) < 4:
-                continue
+        for side in (1, -1):
             # the distinct size whose share beyond it is nearest SIZE_SHARE (sizes
             # often lie on a grid: a quantile there would leave nothing beyond it)
             cut = u[:-1] if side > 0 else u[1:]
@@ -194,19 +199,22 @@ def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.
         if out.sum() < LOGO_MIN_ROWS or train.sum() < 3 * LOGO_MIN_ROWS:
             continue
         fold = _fold_model(t, np.flatnonzero(train), X, gid, target, y, sigma, cfg, model)
-        te_idx = _test_rows(out, cfg.seed + (side > 0))
-        te = t.take(te_idx)
+        te = t.take(_test_rows(out, cfg.seed + j))
         d = domain_flags(fold.meta["domain"], te)["size"]
         mu, sd = fold.raw_logs(te, scaled=False)[target]
         mu = _clip_logs(target, te, mu)
         r = np.log(te[COLUMN[target]]) - mu
         far = (d > 0) & np.isfinite(r)
-        if far.any():
+        if far.sum() >= LOGO_MIN_ROWS:
             needs.append(_need(r[far], sd[far] * scale, z, np.maximum(d[far], SIZE_MIN_D)))
-    if not needs or sum(len(n) for n in needs) < LOGO_MIN_ROWS:
-        return None
-    return float(np.clip(conformal_quantile(np.concatenate(needs), cfg.interval),
-                         SIZE_SD_FLOOR, 2.0))
+            out_sd[f"size_{name}"] = _size_quantile(needs[-1], cfg.interval)
+    if needs:
+        out_sd["size"] = _size_quantile(np.concatenate(needs), cfg.interval)
+    return out_sd
+
+
+def _size_quantile(needs: np.ndarray, p: float) -> float:
+    return float(np.clip(conformal_quantile(needs, p), SIZE_SD_FLOOR, 2.0))
 
 
 def _choose_transfer(grid: Sequence[tuple[float, float]],
