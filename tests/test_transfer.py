@@ -124,7 +124,10 @@ def test_dtype_kernel_and_size_outside_the_domain(prior):
     assert res["in_domain"].tolist() == [False, False, False, True]
     assert "no tf32 blas data on this GPU" in res["domain"][0]
     assert "no tiled kernel data" in res["domain"][1]
-    assert "beyond the trained range" in res["domain"][2]
+    assert "FLOPs" in res["domain"][2] and "beyond the trained range" in res["domain"][2]
+    # the reason names the dimension the GEMM lies farthest beyond
+    (k_far,) = prior.predict([ProbeSpec(1024, 1024, 1 << 16, "bf16")], [A100])
+    assert k_far.domain == "K 8x beyond the trained range"
     # a kernel the forest never saw: the roofline estimate, not an extrapolation
     roof = features.roofline(t.take([1]))[0] / CFG.roofline_efficiency + LAUNCH_S  # tiled
     assert res["point"][1] == pytest.approx(roof)
@@ -744,3 +747,9 @@ def test_extrapolation_is_widened_per_dimension():
     res_m = m_model.predict_table(beyond_m)["runtime"]
     assert np.median(res_m["sigma"]) < 0.5 * np.median(res["sigma"])
     assert coverage({"runtime": res_m}, beyond_m) >= 0.85
+    # beyond in K and, farther, in M: each dimension's own spread, the largest (the
+    # farthest dimension's alone narrowed the interval as M grew: 0.45 -> 0.10)
+    both = Table.from_rows([{"m": 2 ** e, "n": 256, "k": 2 ** 13, "dtype": "bf16"}
+                            for e in range(13, 18)], [A100] * 5)
+    sig = model.predict_table(both)["runtime"]["sigma"]
+    assert sig[0] >= 0.9 * 2 * tau["size_k"] and np.all(sig >= 0.99 * sig[0])

@@ -108,14 +108,14 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
                  extra: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Per row, how it lies outside the domain ``rec``: "gpu", "dtype", "kernel" (bool
     arrays), "size" (factors of 2 beyond the trained range, >= 0, in the dimension of
-    _SIZES it lies farthest beyond: "size_dim", its index), "in_domain" and
+    _SIZES it lies farthest beyond; "size_by": per dimension, n x 4), "in_domain" and
     "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
     calibration has seen on a device. A model without a record (older files) is taken
     to know everything."""
     n = len(t)
     out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
                            "kernel": np.zeros(n, bool), "size": np.zeros(n),
-                           "size_dim": np.zeros(n, np.int64),
+                           "size_by": np.zeros((n, len(_SIZES))),
                            "in_domain": np.ones(n, bool), "reason": np.full(n, "", object)}
     if not rec or not n:
         return out
@@ -159,11 +159,12 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
                                 SIZE_MARGIN_LOG2)
             dist = np.maximum(beyond.max(axis=1), 0.0)
             out["size"][sel] = dist
-            out["size_dim"][sel] = beyond.argmax(axis=1)
+            out["size_by"][sel] = np.maximum(beyond, 0.0)
         out["reason"][sel] = "; ".join(parts)
     far = out["size"] > 0
     for i in np.flatnonzero(far):
-        note = f"size {2 ** (out['size'][i] + SIZE_MARGIN_LOG2):.3g}x beyond the trained range"
+        dim = ("M", "N", "K", "FLOPs")[int(np.argmax(out["size_by"][i]))]
+        note = f"{dim} {2 ** (out['size'][i] + SIZE_MARGIN_LOG2):.3g}x beyond the trained range"
         out["reason"][i] = f"{out['reason'][i]}; {note}" if out["reason"][i] else note
     out["in_domain"] = ~(out["gpu"] | out["dtype"] | out["kernel"] | far)
     return out
@@ -174,28 +175,34 @@ def _size_d(d: np.ndarray) -> np.ndarray:
     return np.where(d > 0, np.maximum(d, SIZE_MIN_D), 0.0)
 
 
-def size_spread(tau: Mapping[str, float], flags: Mapping[str, Any]) -> np.ndarray:
-    """Per row: the spread per factor of 2 beyond the trained sizes of the dimension it
-    lies farthest beyond (``tau``'s "size_m", "size_n", "size_k", validated at fit time:
-    extrapolating in K is not extrapolating in M), else ``tau``'s "size" (FLOPs, or a
-    model saved without them)."""
-    dim = flags.get("size_dim")
-    if dim is None:
-        return np.full(len(flags["size"]), tau["size"])
-    return np.array([tau.get(f"size_{c}", tau["size"]) for c in _SIZES])[dim]
+def size_widening(tau: Mapping[str, float], flags: Mapping[str, Any], least: bool = True
+                  ) -> np.ndarray:
+    """Per row, the log-space sd its sizes beyond the trained range add: per dimension of
+    _SIZES, that dimension's spread per factor of 2 (``tau``'s "size_m", "size_n",
+    "size_k", validated at fit time: extrapolating in K is not extrapolating in M; else
+    ``tau``'s "size", as for FLOPs and a model saved without them) times how far beyond
+    it the row lies (``least``: at least SIZE_MIN_D factors once beyond), the largest of
+    them; with one spread for all, that spread times the farthest distance, as before."""
+    by = flags.get("size_by")
+    if by is None:
+        d = flags["size"]
+        return tau["size"] * (_size_d(d) if least else d)
+    per = np.array([tau.get(f"size_{c}", tau["size"]) for c in _SIZES])
+    w = per * (_size_d(by) if least else by)
+    return w.max(axis=1) if len(w) else np.zeros(0)
 
 
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
           skip: Sequence[str] = (), tau: Mapping[str, float] | None = None) -> np.ndarray:
     """sd combined with the spread (``tau``, else OOD_SD) of every way a row lies
-    outside the domain."""
+    outside the domain (beyond the trained sizes: size_widening)."""
     tau = tau or OOD_SD.get(target, OOD_SD["runtime"])
     var = sd**2
     for kind in ("gpu", "dtype", "kernel"):
         if kind not in skip:
             var = var + np.where(flags[kind], tau[kind] ** 2, 0.0)
     if "size" not in skip:
-        var = var + (size_spread(tau, flags) * _size_d(flags["size"])) ** 2
+        var = var + size_widening(tau, flags) ** 2
     return np.sqrt(var)
 
 

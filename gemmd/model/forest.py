@@ -243,7 +243,9 @@ class ForestModel:
     def ood_sd(self, target: str) -> dict[str, float]:
         """The log-space spread added per way a row lies outside the domain (OOD_SD),
         with the model's own validated figures where it measured them at fit time
-        (leave-one-GPU-out for "gpu", extrapolation beyond a trained size for "size")."""
+        (leave-one-GPU-out for "gpu", extrapolation beyond a trained size for "size" and
+        per dimension "size_m", "size_n", "size_k"; for runtime, "scatter": a kernel the
+        model never saw)."""
         return {**OOD_SD.get(target, OOD_SD["runtime"]),
                 **(self.meta.get("ood_sd") or {}).get(target, {})}
 

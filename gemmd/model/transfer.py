@@ -22,11 +22,10 @@ from gemmd.hardware import gpu_model_key
 from gemmd.model.calibration import _calibrated_logs, calibrate
 from gemmd.model.domain import (
     MIN_SD,
-    _size_d,
     domain_flags,
     domain_record,
     result,
-    size_spread,
+    size_widening,
     to_predictions,
     widen,
 )
@@ -347,7 +346,6 @@ class TransferModel:
         # how far outside the probes' sizes a row is (the trees on them extrapolate flat)
         near_fl = domain_flags(self.probe_domain, t) if self.probe_domain and \
             "few" in used else None
-        near = near_fl["size"] if near_fl is not None else np.zeros(len(t))
         q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
         recs = self.prior.meta.get("domain_targets") or {}
         for target, (mu, sd) in logs.items():
@@ -356,10 +354,11 @@ class TransferModel:
                 "kernels", []))
             mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau)
             choice = self.choice.get(target, "calibrated")
-            # per row, per factor of 2 beyond the probes' sizes, and beyond the prior's
-            size_sd = size_spread(tau, near_fl) if near_fl is not None else \
-                np.full(len(t), tau["size"])
-            fl = flags[target]
+            # per row, the widening for lying beyond the probes' sizes (the trees on them
+            # extrapolate flat), and beyond the prior's
+            near = size_widening(tau, near_fl, least=False) if near_fl is not None else \
+                np.zeros(len(t))
+            beyond = size_widening(tau, flags[target])
             scale = self._row_scale(target, choice, t["kernel"],
                                     self.cv_scale.get(target, 1.0))
             for j, cal in enumerate(cals):
@@ -387,7 +386,7 @@ class TransferModel:
                     i = idx[mine]
                     fm, fs = few_logs[target]
                     mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
-                    sd[i] = np.sqrt(fs[i] ** 2 + (size_sd[i] * near[i]) ** 2) * scale[i]
+                    sd[i] = np.sqrt(fs[i] ** 2 + near[i] ** 2) * scale[i]
                     zrow[i] = q
                     idx, probed = idx[~mine], probed[~mine]
                 blend = choice == "blend" and target in few_logs and target in self.blend
@@ -395,7 +394,7 @@ class TransferModel:
                     b_rows = idx[probed]
                     fm, fs = few_logs[target]
                     b_mu = np.log(from_model_space(target, t.take(b_rows), fm[b_rows]))
-                    b_sd = np.sqrt(fs[b_rows] ** 2 + (size_sd[b_rows] * near[b_rows]) ** 2)
+                    b_sd = np.sqrt(fs[b_rows] ** 2 + near[b_rows] ** 2)
                 if not len(idx):
                     continue
                 off = np.array([cal.offset(target, g) for g in groups[idx]])
@@ -406,7 +405,7 @@ class TransferModel:
                 var = np.array([cal.variance(target, g, None if g.split("/")[1] in kernels
                                              else tau["kernel"]) for g in groups[idx]])
                 mu[idx] += off
-                extra_sz = (size_spread(tau, fl)[idx] * _size_d(fl["size"][idx])) ** 2
+                extra_sz = beyond[idx] ** 2
                 if choice == "residual" and target in res_logs:
                     i = np.flatnonzero(probed)
                     rm, rs = res_logs[target]

@@ -117,10 +117,12 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
               sigma: Mapping[str, float], in_scale: Mapping[str, float], cfg: ModelConfig,
               model: ModelClass) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
     """What the training data say about predicting outside themselves, per forest target:
-    ({target: {"size": spread per factor of 2 beyond the trained sizes, "gpu": spread on
-    a GPU model never trained on}} where measured, {target: the leave-one-GPU-out
-    record}); see _validate_size and _validate_transfer. ``model``: what folds are built
-    as (ModelClass)."""
+    ({target: {"size", "size_m", "size_n", "size_k": spread per factor of 2 beyond the
+    trained sizes, over all dimensions and per dimension; "gpu": spread on a GPU model
+    never trained on; for runtime "scatter": how far a kernel strays from one efficiency
+    level}} where measured, {target: the leave-one-GPU-out record}); see _validate_size,
+    _kernel_scatter and _validate_transfer. ``model``: what folds are built as
+    (ModelClass)."""
     ood: dict[str, dict[str, float]] = {}
     transfer: dict[str, dict[str, Any]] = {}
     z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
@@ -196,19 +198,20 @@ def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.
             q = cut[int(np.argmin(np.abs(share - SIZE_SHARE)))]
             out |= (side * (lg[:, j] - q) > 0) & ok
         train = ok & ~out
-        if out.sum() < LOGO_MIN_ROWS or train.sum() < 3 * LOGO_MIN_ROWS:
+        if not out.any() or train.sum() < 3 * LOGO_MIN_ROWS:
             continue
         fold = _fold_model(t, np.flatnonzero(train), X, gid, target, y, sigma, cfg, model)
         te = t.take(_test_rows(out, cfg.seed + j))
-        d = domain_flags(fold.meta["domain"], te)["size"]
+        d = domain_flags(fold.meta["domain"], te)["size_by"][:, j]  # beyond in this one
         mu, sd = fold.raw_logs(te, scaled=False)[target]
         mu = _clip_logs(target, te, mu)
         r = np.log(te[COLUMN[target]]) - mu
         far = (d > 0) & np.isfinite(r)
-        if far.sum() >= LOGO_MIN_ROWS:
+        if far.any():
             needs.append(_need(r[far], sd[far] * scale, z, np.maximum(d[far], SIZE_MIN_D)))
-            out_sd[f"size_{name}"] = _size_quantile(needs[-1], cfg.interval)
-    if needs:
+            if far.sum() >= LOGO_MIN_ROWS:
+                out_sd[f"size_{name}"] = _size_quantile(needs[-1], cfg.interval)
+    if sum(len(x) for x in needs) >= LOGO_MIN_ROWS:
         out_sd["size"] = _size_quantile(np.concatenate(needs), cfg.interval)
     return out_sd
 
