@@ -47,6 +47,7 @@ from gemmd.config import ModelConfig
 from gemmd.features import Table, concat
 from gemmd.hardware import gpu_model_key
 from gemmd.model import ForestModel
+from gemmd.model.validation import share_cut
 
 GPUS = ("rtx4070", "b200", "h100-sxm", "mi355x")
 # Rows per GPU (random subsample; GPPerf's tiled rows are always kept): bounds the run
@@ -141,16 +142,15 @@ def coverage(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
     return rows
 
 
-def beyond_cut(v: np.ndarray, share: float = 0.15, least: int = 20) -> int | None:
-    """The distinct size of ``v`` whose share of rows above it is nearest ``share``: the
-    largest sizes held out, to judge a model on sizes beyond its training (issue 25: a size
-    beyond the trained range in M, N or K is flagged and its interval widened); None where
-    fewer than ``least`` rows would be held out or kept."""
-    u = np.unique(v)
-    if len(u) < 2:
+def beyond_cut(v: np.ndarray, least: int = 20) -> int | None:
+    """The distinct size of ``v`` above which the largest ~15% of rows lie (as fit-time
+    validation holds them out: validation.share_cut), to judge a model on sizes beyond
+    its training (issue 25: a size beyond the trained range in M, N or K is flagged and
+    its interval widened); None where fewer than ``least`` rows would be held out or
+    kept."""
+    if len(np.unique(v)) < 2:
         return None
-    above = np.array([np.mean(v > c) for c in u[:-1]])
-    cut = int(u[:-1][int(np.argmin(np.abs(above - share)))])
+    cut = int(share_cut(v))
     n = int((v > cut).sum())
     return cut if least <= n <= len(v) - least else None
 

@@ -188,8 +188,7 @@ def size_widening(tau: Mapping[str, float], flags: Mapping[str, Any], least: boo
         d = flags["size"]
         return tau["size"] * (_size_d(d) if least else d)
     per = np.array([tau.get(f"size_{c}", tau["size"]) for c in _SIZES])
-    w = per * (_size_d(by) if least else by)
-    return w.max(axis=1) if len(w) else np.zeros(0)
+    return (per * (_size_d(by) if least else by)).max(axis=1)
 
 
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],

@@ -191,12 +191,7 @@ def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.
             continue
         out = np.zeros(len(t), dtype=bool)
         for side in (1, -1):
-            # the distinct size whose share beyond it is nearest SIZE_SHARE (sizes
-            # often lie on a grid: a quantile there would leave nothing beyond it)
-            cut = u[:-1] if side > 0 else u[1:]
-            share = np.array([np.mean(side * (v - c) > 0) for c in cut])
-            q = cut[int(np.argmin(np.abs(share - SIZE_SHARE)))]
-            out |= (side * (lg[:, j] - q) > 0) & ok
+            out |= (side * (lg[:, j] - share_cut(v, side)) > 0) & ok
         train = ok & ~out
         if not out.any() or train.sum() < 3 * LOGO_MIN_ROWS:
             continue
@@ -214,6 +209,16 @@ def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.
     if sum(len(x) for x in needs) >= LOGO_MIN_ROWS:
         out_sd["size"] = _size_quantile(np.concatenate(needs), cfg.interval)
     return out_sd
+
+
+def share_cut(v: np.ndarray, side: int = 1, share: float = SIZE_SHARE) -> float:
+    """The distinct value of ``v`` (at least two) whose share of ``v`` beyond it (above
+    for ``side`` 1, below for -1) is nearest ``share``: sizes often lie on a grid, where
+    a quantile would leave nothing beyond it."""
+    u = np.unique(v)
+    cut = u[:-1] if side > 0 else u[1:]
+    beyond = np.array([np.mean(side * (v - c) > 0) for c in cut])
+    return float(cut[int(np.argmin(np.abs(beyond - share)))])
 
 
 def _size_quantile(needs: np.ndarray, p: float) -> float:
