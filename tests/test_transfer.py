@@ -753,3 +753,10 @@ def test_extrapolation_is_widened_per_dimension():
                             for e in range(13, 18)], [A100] * 5)
     sig = model.predict_table(both)["runtime"]["sigma"]
     assert sig[0] >= 0.9 * 2 * tau["size_k"] and np.all(sig >= 0.99 * sig[0])
+    # a model saved before (one spread): predicts as it did, widened by that spread
+    old = copy.deepcopy(model)
+    for c in ("size_m", "size_n", "size_k"):
+        del old.meta["ood_sd"]["runtime"][c]
+    res_old = old.predict_table(beyond_k)["runtime"]
+    assert np.allclose(res_old["point"], res["point"])
+    assert np.median(res_old["sigma"]) < np.median(res["sigma"])
