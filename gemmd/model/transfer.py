@@ -122,6 +122,10 @@ class TransferModel:
         # few-probe trees predict them whatever the recipe (unknown_kernel_groups)
         self.few_groups = few_groups or {}
         self.blend: dict[str, float] = {}  # per target choosing "blend": the trees' weight
+        # per target: the few-probe trees' floor (_cv's "floor"), where the recipe served
+        # was judged with it ("few", "blend", "residual"); the calibrated prior's factor
+        # was judged on those trees without it (set by fit)
+        self.few_floor: dict[str, float] = {}
         self.z = prior.z
         self.meta = {**prior.meta, **(meta or {})}
         self.version = f"{prior.version}+cal"
@@ -170,10 +174,8 @@ class TransferModel:
         few = _fit_trees(t, cfg, wanted["few"], n_jobs=n_jobs) if wanted["few"] else {}
         residual = _fit_trees(t, cfg, wanted["residual"], _calibrated_logs(prior, cals, t),
                               n_jobs) if wanted["residual"] else {}
-        few, residual = ({tg: (et, math.hypot(noise, sub.get(tg, {}).get(name, {}).get(
-                              "floor", 0.0)))
-                          for tg, (et, noise) in trees.items()}
-                         for name, trees in (("few", few), ("residual", residual)))
+        residual = {tg: (et, math.hypot(noise, sub.get(tg, {}).get("residual", {}).get(
+            "floor", 0.0))) for tg, (et, noise) in residual.items()}
         for target, c in choice.items():
             if (c == "own" and (own is None or target not in own.forests)) or \
                     (c == "residual" and target not in residual) or \
@@ -185,6 +187,8 @@ class TransferModel:
         meta["transfer"]["few_groups"] = few_groups
         out = cls(prior, cals, choice, own if "own" in choice.values() else None, residual,
                   cv_scale, meta, few, domain_record(t), few_groups)
+        out.few_floor = {tg: float(sub.get(tg, {}).get("few", {}).get("floor", 0.0))
+                         for tg in few}
         out.blend = {tg: float(sub[tg]["blend"]["weight"]) for tg, c in choice.items()
                      if c == "blend"}
         out.devices = devices
@@ -386,7 +390,8 @@ class TransferModel:
                     i = idx[mine]
                     fm, fs = few_logs[target]
                     mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
-                    sd[i] = np.sqrt(fs[i] ** 2 + near[i] ** 2) * scale[i]
+                    floor = 0.0 if choice == "calibrated" else self.few_floor.get(target, 0.0)
+                    sd[i] = np.sqrt(fs[i] ** 2 + near[i] ** 2 + floor**2) * scale[i]
                     zrow[i] = q
                     idx, probed = idx[~mine], probed[~mine]
                 blend = choice == "blend" and target in few_logs and target in self.blend
@@ -394,7 +399,8 @@ class TransferModel:
                     b_rows = idx[probed]
                     fm, fs = few_logs[target]
                     b_mu = np.log(from_model_space(target, t.take(b_rows), fm[b_rows]))
-                    b_sd = np.sqrt(fs[b_rows] ** 2 + near[b_rows] ** 2)
+                    b_sd = np.sqrt(fs[b_rows] ** 2 + near[b_rows] ** 2 +
+                                   self.few_floor.get(target, 0.0) ** 2)
                 if not len(idx):
                     continue
                 off = np.array([cal.offset(target, g) for g in groups[idx]])
