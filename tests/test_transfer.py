@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import gemmd.model.transfer as transfer_mod
+import gemmd.model.validation as validation
 from gemmd import bounds, datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
@@ -451,29 +452,51 @@ def test_a_kernel_neither_the_prior_nor_the_probes_saw_keeps_its_spread(fleet):
     assert np.median(sd) < OOD_SD["runtime"]["kernel"]
 
 
+def _pooled_spread(tables: list[Table], groups=("bf16", "fp16")) -> tuple[float, list[float]]:
+    """(the sd whose 90% interval holds 90% of the rows' distances from their (GPU,
+    dtype) median, each group weighted alike; each group's own such sd)."""
+    z = NormalDist().inv_cdf(0.95)
+    dev = [np.abs(v - np.median(v)) for v in (
+        np.log(t["runtime_s"] / runtime_reference(t))[t["dtype"] == d]
+        for t in tables for d in groups) if len(v)]
+    x = np.concatenate(dev)
+    w = np.concatenate([np.full(len(v), 1.0 / len(v)) for v in dev])
+    o = np.argsort(x)
+    pooled = x[o][np.searchsorted(np.cumsum(w[o]) / w.sum(), 0.9)] / z
+    return pooled, [float(np.quantile(v, 0.9)) / z for v in dev]
+
+
 def test_a_new_kernels_scatter_starts_from_the_training_data(fleet):
     """A kernel the prior never ran is predicted with no shape; its probes' scatter about
-    their offset starts from the most scattered (GPU model, dtype, kernel) of the
-    training data, not from the offset's spread (1.5: the RTX 4070's CUTLASS intervals
-    were 2.4-2.7 in log at 5 probes where 0.5-0.8 held 90% of its rows)."""
-    def spread(v):  # the sd whose 90% interval holds 90% of them
-        return np.quantile(np.abs(v - np.median(v)), 0.9) / NormalDist().inv_cdf(0.95)
-
+    their offset starts from how the (GPU model, dtype, kernel) groups of the training
+    data scatter together, each weighted alike, not from the offset's spread (1.5: the
+    RTX 4070's CUTLASS intervals were 2.4-2.7 in log at 5 probes where 0.5-0.8 held 90%
+    of its rows), nor from the most scattered group alone (0.51 there: 95-100% of its
+    rows covered; 1.95 for any new kernel on a prior with GPPerf's tiled kernel)."""
     scatter = fleet.meta["ood_sd"]["runtime"]["scatter"]
-    widest = max(spread(np.log(t["runtime_s"] / runtime_reference(t))[t["dtype"] == d])
-                 for t in fleet_rows() for d in ("bf16", "fp16"))
-    assert scatter == pytest.approx(widest)
+    pooled, each = _pooled_spread(fleet_rows())
+    assert scatter == pytest.approx(pooled, rel=0.05)
+    assert min(each) <= scatter <= max(each)
     assert scatter < OOD_SD["runtime"]["kernel"]
+    # one wild kernel among six groups moves it, without setting it
+    wild = rows(H100, 250, 23, 0.45 / 30, ("fp32",), noise=2.0, kernel="tiled")
+    t = features.concat([*fleet_rows(), wild])
+    y = np.log(t["runtime_s"] / runtime_reference(t))
+    with_wild = validation._kernel_scatter(t, y, 0.9, NormalDist().inv_cdf(0.95))
+    _, each_wild = _pooled_spread([wild], ("fp32",))
+    assert scatter < with_wild < 0.5 * each_wild[0]
     probes = rows(H100, 5, 84, 0.45 / 3, ("fp32",), kernel="tiled")
     s = calibrate(fleet, probes)[H100.uuid].group_scatter["runtime"]["fp32/tiled"]
     old = copy.deepcopy(fleet)  # a model saved before: the offset's spread, as then
     del old.meta["ood_sd"]["runtime"]["scatter"]
     s_old = calibrate(old, probes)[H100.uuid].group_scatter["runtime"]["fp32/tiled"]
     assert s < 0.7 * s_old and s >= 0.5 * scatter
+    # coverage over draws of 5 probes (one draw of 5 says little: 75-100% here)
     test = rows(H100, 200, 85, 0.45 / 3, ("fp32",), kernel="tiled")
-    for m in (fleet, old):
-        assert coverage(TransferModel.fit(m, probes, CFG, select=False).predict_table(test),
-                        test) >= 0.85
+    cov = {id(m): np.mean([coverage(TransferModel.fit(
+        m, rows(H100, 5, 84 + 100 * i, 0.45 / 3, ("fp32",), kernel="tiled"), CFG,
+        select=False).predict_table(test), test) for i in range(5)]) for m in (fleet, old)}
+    assert 0.85 <= cov[id(fleet)] <= 0.95 and cov[id(old)] >= 0.85
 
 
 def test_the_level_worth_is_validated_per_number_of_probes():

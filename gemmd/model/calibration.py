@@ -102,8 +102,8 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # a kernel the prior never saw: its offset counts a probe as half (scatter
             # as wide as the offset's prior spread: one probe of GPPerf's tiled kernel,
             # whose efficiency spans decades, is not its level), and its probes' scatter
-            # is its own, until they say otherwise as wide as the most scattered kernel
-            # of the training data (validation._kernel_scatter; else the offset's spread)
+            # is its own, until they say otherwise as wide as the training data's kernels
+            # scatter, together (validation._kernel_scatter; else the offset's spread)
             new_kernel = np.array([nm.split("/")[1] not in known_kernels for nm in names])
             s0_g = np.where(new_kernel, tau_o["kernel"], s0)
             s_new = max(tau_o.get("scatter", tau_o["kernel"]), s0)
