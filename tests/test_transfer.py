@@ -790,18 +790,22 @@ def test_an_interval_factor_is_applied_to_the_interval_it_was_judged_on(fleet):
     the cross-validation judged its factor on those trees' own spread. Served, the trees
     carried the floor the "few" recipe was judged with as well: a factor for one interval
     applied to a wider one (the RTX 4070's CUTLASS rows at 20 probes: 99-100% covered,
-    half-widths 0.75 in log where 0.41 held 90%). The floor stays where it was judged."""
+    half-widths 0.75 in log where 0.41 held 90%). Each recipe's rows now carry the floor
+    it was judged with, and the residual trees' recipe is judged with those trees where
+    it serves them."""
     probes = features.concat([rows(H100, 30, 90, 0.45, ("bf16",)),
                               rows(H100, 30, 91, 0.45 / 30, ("fp32",), noise=0.2,
                                    kernel="tiled")])
     tm = TransferModel.fit(fleet, probes, CFG)
-    assert tm.few_groups["runtime"] == ["fp32/tiled"] and tm.few_floor["runtime"] > 0.05
+    cv = tm.meta["transfer"]["cv"]["runtime"]
+    assert tm.few_groups["runtime"] == ["fp32/tiled"] and cv["few"]["floor"] > 0.05
     test = rows(H100, 100, 92, 0.45 / 30, ("fp32",), noise=0.2, kernel="tiled")
-    # as the cross-validation built it: the trees without the floor
+    # as the cross-validation built it: the trees without a floor
     judged = TransferModel(fleet, tm.calibrations, few=tm.few, probe_domain=tm.probe_domain,
                            few_groups=tm.few_groups).predict_table(test)["runtime"]["sigma"]
-    cv = tm.meta["transfer"]["cv"]["runtime"]
-    for recipe, floor in (("calibrated", 0.0), ("few", tm.few_floor["runtime"])):
+    tm.residual.update(_fit_trees(probes, CFG, ["runtime"], {"runtime": np.zeros(60)}))
+    for recipe, floor in (("calibrated", 0.0), ("few", cv["few"]["floor"]),
+                          ("residual", cv["residual"]["floor"])):
         tm.choice["runtime"], tm.cv_scale["runtime"] = recipe, cv[recipe]["scale"]
         factor = tm._row_scale("runtime", recipe, test["kernel"], cv[recipe]["scale"])
         served = tm.predict_table(test)["runtime"]["sigma"]

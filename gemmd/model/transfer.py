@@ -122,10 +122,6 @@ class TransferModel:
         # few-probe trees predict them whatever the recipe (unknown_kernel_groups)
         self.few_groups = few_groups or {}
         self.blend: dict[str, float] = {}  # per target choosing "blend": the trees' weight
-        # per target: the few-probe trees' floor (_cv's "floor"), where the recipe served
-        # was judged with it ("few", "blend", "residual"); the calibrated prior's factor
-        # was judged on those trees without it (set by fit)
-        self.few_floor: dict[str, float] = {}
         self.z = prior.z
         self.meta = {**prior.meta, **(meta or {})}
         self.version = f"{prior.version}+cal"
@@ -187,8 +183,6 @@ class TransferModel:
         meta["transfer"]["few_groups"] = few_groups
         out = cls(prior, cals, choice, own if "own" in choice.values() else None, residual,
                   cv_scale, meta, few, domain_record(t), few_groups)
-        out.few_floor = {tg: float(sub.get(tg, {}).get("few", {}).get("floor", 0.0))
-                         for tg in few}
         out.blend = {tg: float(sub[tg]["blend"]["weight"]) for tg, c in choice.items()
                      if c == "blend"}
         out.devices = devices
@@ -239,8 +233,9 @@ class TransferModel:
             if len(tr) >= MIN_RESIDUAL:
                 res = _fit_trees(tr, icfg, list(prior.forests),
                                  _calibrated_logs(prior, cals, tr), n_jobs)
+                # served as it will be: few-probe trees where the prior has no shape
                 recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
-                                          res, probe_domain=dom)
+                                          res, probe_domain=dom, few=few, few_groups=fg)
             for name, model in recipes.items():
                 for target, r in model.predict_table(te).items():
                     p = pred[name].setdefault(target, (np.full(len(t), np.nan),
@@ -390,8 +385,8 @@ class TransferModel:
                     i = idx[mine]
                     fm, fs = few_logs[target]
                     mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
-                    floor = 0.0 if choice == "calibrated" else self.few_floor.get(target, 0.0)
-                    sd[i] = np.sqrt(fs[i] ** 2 + near[i] ** 2 + floor**2) * scale[i]
+                    sd[i] = np.sqrt(fs[i] ** 2 + near[i] ** 2 + self._floor(target, choice)
+                                    ** 2) * scale[i]
                     zrow[i] = q
                     idx, probed = idx[~mine], probed[~mine]
                 blend = choice == "blend" and target in few_logs and target in self.blend
@@ -400,7 +395,7 @@ class TransferModel:
                     fm, fs = few_logs[target]
                     b_mu = np.log(from_model_space(target, t.take(b_rows), fm[b_rows]))
                     b_sd = np.sqrt(fs[b_rows] ** 2 + near[b_rows] ** 2 +
-                                   self.few_floor.get(target, 0.0) ** 2)
+                                   self._floor(target, "few") ** 2)
                 if not len(idx):
                     continue
                 off = np.array([cal.offset(target, g) for g in groups[idx]])
@@ -445,6 +440,17 @@ class TransferModel:
         """What the fit's cross-validation over the probes found for ``recipe`` on
         ``target`` (``meta["transfer"]["cv"]``), or {}."""
         return self.meta.get("transfer", {}).get("cv", {}).get(target, {}).get(recipe, {})
+
+    def _floor(self, target: str, recipe: str) -> float:
+        """The floor under the few-probe trees' spread where they serve ``recipe``: as the
+        cross-validation judged it, that recipe's ("few", "residual"; "few" for "blend",
+        whose trees' part it judged with it); none for the calibrated prior, judged on
+        those trees without one (until the eighth session of 2026-11-26 "few"'s was added
+        whatever the recipe: a factor judged on one interval applied to a wider one)."""
+        if recipe == "calibrated":
+            return 0.0
+        rec = self._cv_record(target, "few" if recipe == "blend" else recipe)
+        return float(rec.get("floor", 0.0))
 
     def _row_scale(self, target: str, recipe: str, kernels: np.ndarray, default: float
                    ) -> np.ndarray:
