@@ -53,6 +53,29 @@ def test_gpperf_cutlass_units(tmp_path):
     assert ds.targets == ["runtime", "power", "energy"]
 
 
+def test_gpperf_cutlass_power_read_on_an_idle_gpu_is_not_the_gemms(tmp_path):
+    """One nvidia-smi sample per run: where the same sample reads the GPU idle (gpu_util
+    below BUSY_UTIL), its power is an idle card's (GPPerf's file: 1,159 readings at 0%,
+    30 W and 28 C, on every run of 15 ms or less), not the GEMM's; dropped, and said.
+    A reading without a utilization is kept; a utilization above 100% is refused."""
+    head = CUTLASS_HEAD + ",gpu_util"
+    rows = [f"1731372844,512,1024,2048,k,nt,64,128,32,2,lc,1,0,0.5,{p},2760,"
+            f"NVIDIA GeForce RTX 4070,{u}"
+            for p, u in (("30.1", "0"), ("33.0", "40"), ("153.0", "100"), ("150.0", "[N/A]"),
+                         ("[N/A]", "100"))]
+    ds = datasets.load("auto", [write(tmp_path / "c.csv", "\n".join([head, *rows]))])
+    t = ds.table
+    assert np.isnan(t["power_w"][:2]).all() and np.isnan(t["energy_j"][:2]).all()
+    assert t["power_w"][2:4].tolist() == [153.0, 150.0]
+    assert t["energy_j"][2] == pytest.approx(153.0 * 5e-4)
+    assert np.isnan(t["power_w"][4]) and len(t) == 5
+    assert any("power on 2 of 5 rows" in n and "2 more readings dropped" in n and
+               "gpu_util below 90%" in n for n in ds.notes)
+    bad = rows[2].rsplit(",", 1)[0] + ",150"
+    with pytest.raises(InputError, match=r"row 2, column gpu_util: 150 % is above 100"):
+        datasets.load("auto", [write(tmp_path / "d.csv", "\n".join([head, bad]))])
+
+
 def test_b200_column_order_and_units(tmp_path):
     f = write(tmp_path / "b.csv", """
 gpu,dtype,m,k,n,time(us),mem_clk_freq,graph_clk_freq,avg_power(W),avg_energy(uJ)
@@ -165,7 +188,9 @@ def test_detect_format(tmp_path):
 @needs_data
 def test_shared_datasets_load_in_si_units():
     c = datasets.load_shared("gpperf-cutlass", DATA).table
-    assert len(c) == 16128 and int(np.isfinite(c["power_w"]).sum()) == 2595
+    # of its 2,595 power readings, 1,440 were sampled with the GPU idle for some or all
+    # of the sample (gpu_util below 90%)
+    assert len(c) == 16128 and int(np.isfinite(c["power_w"]).sum()) == 1155
     assert 1e-5 < np.nanmin(c["runtime_s"]) and np.nanmax(c["runtime_s"]) < 1.0
     x = datasets.load_shared("xla", DATA).table
     assert len(x) == 9750 and set(x["batch"]) == {1, 2, 4}

@@ -13,16 +13,28 @@ from gemmd.errors import InputError
 from gemmd.gemm import LAYOUTS
 from gemmd.hardware import Catalogue
 
+# A power reading sampled beside a run is the GEMM's only if the same sample shows the GPU
+# busy: nvidia-smi's utilization is the share of its window a kernel ran. GPPerf's CUTLASS
+# file has one reading per run; 1,159 of its 2,595 read gpu_util 0 (30 W, 28 C: an idle
+# card, on every run of 15 ms or less), 274 read 1-49% (33 W median), 7 read 55-70%,
+# 1,155 read 91-100% (153 W median, 69 C). A reading without a utilization is kept.
+BUSY_UTIL = 90.0
+
 
 def load_gpperf_cutlass(path: str | Path, gpu: str | None = None,
                         catalog: Catalogue | None = None) -> Dataset:
     """GPPerf's CUTLASS profiler runs (RTX 4070, fp32 SIMT). runtime_ms -> s; power_W as
-    is ("[N/A]" on most rows); energy = power x runtime where power was read."""
+    is ("[N/A]" on most rows) where the same sample's gpu_util says the GPU was busy
+    (BUSY_UTIL; all readings without that column); energy = power x runtime there."""
     f = _Csv(path)
     f.require("M", "N", "K", "layout", "cta_m", "cta_n", "cta_k", "runtime_ms", "power_W")
     infos, device = _gpus(f, "gpu_name", gpu, catalog, default="rtx4070")
     rt = f.floats("runtime_ms", positive=True, hi=1e7, unit="ms") / 1e3
     pw = f.floats("power_W", optional=True, positive=True, hi=5000, unit="W")
+    read = int(np.isfinite(pw).sum())
+    if f.has("gpu_util"):
+        util = f.floats("gpu_util", optional=True, lo=0, hi=100, unit="%")
+        pw = np.where(util < BUSY_UTIL, np.nan, pw)
     opt = {c: f.floats(c) for c in ("stages", "alpha", "beta") if f.has(c)}
     n = len(f)
     t = _table(n, infos, device, m=_dims(f, "M"), n=_dims(f, "N"), k=_dims(f, "K"),
@@ -32,8 +44,10 @@ def load_gpperf_cutlass(path: str | Path, gpu: str | None = None,
                runtime_s=rt, power_w=pw, energy_j=pw * rt, **opt,
                **({"ts": f.floats("timestamp", optional=True)} if f.has("timestamp") else {}))
     has_p = int(np.isfinite(pw).sum())
+    idle = f" ({read - has_p:,} more readings dropped: the GPU idle for some or all of " \
+        f"the sample, gpu_util below {BUSY_UTIL:g}%)" if read > has_p else ""
     return Dataset("gpperf-cutlass", t, [f.path], [
-        f"power on {has_p:,} of {n:,} rows (one nvidia-smi reading per run)",
+        f"power on {has_p:,} of {n:,} rows (one nvidia-smi reading per run){idle}",
         "energy = power x runtime on those rows (the profiler's energy_J_reported is "
         "rounded to 1 mJ)"])
 
