@@ -492,3 +492,8 @@ def test_evaluate_a_fitted_model_without_refitting(capsys, env, tmp_path):
     rc, _, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
                      "--calibrate-rows", "79", *sd)
     assert rc == 1 and "too many for the data" in err and err.count("\n") == 1
+    for text, gist in (("5,,20", "an empty item"), ("5,", "an empty item"),
+                       (" ", "give a number of rows"), ("5,x", "'x' is not an integer")):
+        rc, _, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
+                         "--calibrate-rows", text, *sd)
+        assert rc == 2 and gist in err and err.count("\n") == 1, (text, err)

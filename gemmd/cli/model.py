@@ -189,12 +189,16 @@ def print_evaluation(res: dict[str, Any]) -> None:
 
 
 def _counts(text: str) -> list[int]:
-    """N[,N...]: row counts, each 0..1,000,000."""
+    """N[,N...]: row counts, each 0..1,000,000; an empty item is refused (a typo of
+    "5,20" as "5,,20" or "5," says less than was meant)."""
     parse = int_range("--calibrate-rows", 0, 1_000_000)
-    out = [parse(x.strip()) for x in text.split(",") if x.strip()]
-    if not out:
+    items = [x.strip() for x in text.split(",")]
+    if not text.strip():
         raise argparse.ArgumentTypeError("--calibrate-rows: give a number of rows")
-    return out
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"--calibrate-rows {text!r}: an empty item; "
+                                         "give counts separated by single commas")
+    return [parse(x) for x in items]
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
