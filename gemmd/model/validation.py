@@ -150,6 +150,11 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
     return ood, transfer
 
 
+def _row_gpu_keys(t: Table) -> np.ndarray:
+    """Per row of ``t``, its GPU model key (hardware.gpu_model_key), an object array."""
+    return np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device]
+
+
 def _kernel_scatter(t: Table, y: np.ndarray, p: float, z: float) -> float | None:
     """How far a kernel's runtime strays from one efficiency level across sizes, on the
     training data: within each (GPU model, dtype, kernel) with LOGO_MIN_ROWS measured
@@ -164,8 +169,8 @@ def _kernel_scatter(t: Table, y: np.ndarray, p: float, z: float) -> float | None
     prior with GPPerf's tiled kernel, 30-100x off in places, it was 1.95 for any new
     kernel. None without such a group."""
     ok = np.isfinite(y)
-    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device]
-    groups = np.char.add(keys.astype(str), np.char.add("/", _groups(t).astype(str)))
+    keys = _row_gpu_keys(t).astype(str)
+    groups = np.char.add(keys, np.char.add("/", _groups(t).astype(str)))
     dev = [np.abs(v - np.median(v)) for v in (y[ok & (groups == g)]
                                               for g in np.unique(groups[ok]))
            if len(v) >= LOGO_MIN_ROWS]
@@ -268,7 +273,7 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
     ok = np.isfinite(y)
     if not ok.any():
         return {}
-    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device]
+    keys = _row_gpu_keys(t)
     names, counts = np.unique(keys[ok], return_counts=True)
     if len(names) < 2:
         return {}
