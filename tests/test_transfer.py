@@ -790,7 +790,7 @@ def test_an_interval_factor_is_applied_to_the_interval_it_was_judged_on(fleet):
     the cross-validation judged its factor on those trees' own spread. Served, the trees
     carried the floor the "few" recipe was judged with as well: a factor for one interval
     applied to a wider one (the RTX 4070's CUTLASS rows at 20 probes: 99-100% covered,
-    half-widths 0.75 in log where 0.41 held 90%). Each recipe's rows now carry the floor
+    half-widths 0.89-0.91 in log where 0.30-0.41 held 90%). Each recipe's rows now carry the floor
     it was judged with, and the residual trees' recipe is judged with those trees where
     it serves them."""
     probes = features.concat([rows(H100, 30, 90, 0.45, ("bf16",)),
