@@ -56,7 +56,7 @@ def test_gpperf_cutlass_units(tmp_path):
 def test_gpperf_cutlass_power_read_on_an_idle_gpu_is_not_the_gemms(tmp_path):
     """One nvidia-smi sample per run: where the same sample reads the GPU idle (gpu_util
     below BUSY_UTIL), its power is an idle card's (GPPerf's file: 1,159 readings at 0%,
-    30 W and 28 C, on every run of 15 ms or less), not the GEMM's; dropped, and said.
+    30 W and 28 C; 10% of its runs under 15 ms read busy), not the GEMM's; dropped, and said.
     A reading without a utilization is kept; a utilization above 100% is refused."""
     head = CUTLASS_HEAD + ",gpu_util"
     rows = [f"1731372844,512,1024,2048,k,nt,64,128,32,2,lc,1,0,0.5,{p},2760,"
