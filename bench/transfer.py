@@ -16,12 +16,14 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
   drawn at random; the other shapes judged), the mean of S draws: runtime MAPE, coverage
   of the 90% interval, share in domain, and the share of predictions below the roofline
   at the catalogued peaks (none allowed); beside it the roofline estimate
-  (model.roofline_efficiency) and gemmd's forest on the GPU's own data, unseen shapes.
+  (model.roofline_efficiency) and gemmd's forest on the GPU's own data, unseen shapes;
+  ``--holdout FILE``: also a GPU outside the shared data (e.g. bench/gpu_sweep.sh's
+  sweep.csv), judged from the prior of all four.
 
     python bench/transfer.py [--data ../shared/data] [--probes 0,5,20,50,200] [--seeds 3]
                              [--trees 50] [--pairs] [--caps rtx4070=2000,...]
                              [--coverage-only | --transfer-only | --defaults]
-                             [--json out.json]
+                             [--holdout FILE... [--holdout-only]] [--json out.json]
                              [--markdown]
 
 Targets (issue 25; figures, not assertions): no prediction faster than physics;
@@ -56,9 +58,14 @@ CAPS = {"rtx4070": 5000, "b200": 8000, "h100-sxm": 5000, "mi355x": 4000}
 TEST_SHARE, TEST_MAX = 0.25, 1500
 
 
+def row_keys(t: Table) -> np.ndarray:
+    """Each row's GPU model key (hardware.gpu_model_key)."""
+    return np.array([gpu_model_key(d) for d in t.devices])[t.device]
+
+
 def per_gpu(data: Path, seed: int = 0) -> dict[str, Table]:
     t = concat([datasets.load_shared(n, data).table for n in datasets.SHARED])
-    keys = np.array([gpu_model_key(d) for d in t.devices])[t.device]
+    keys = row_keys(t)
     rng = np.random.default_rng(seed)
     ok = np.isfinite(t["runtime_s"])
     out = {}
@@ -70,6 +77,16 @@ def per_gpu(data: Path, seed: int = 0) -> dict[str, Table]:
             idx = np.concatenate([tiled, rng.choice(rest, CAPS[g] - len(tiled), replace=False)])
         out[g] = t.take(np.sort(idx))
     return out
+
+
+def by_gpu(paths: list[Path]) -> dict[str, Table]:
+    """The rows of ``paths`` (any format gemmd reads) by GPU model, runtime measured."""
+    if not paths:
+        return {}
+    t = datasets.load("auto", paths).table
+    keys = row_keys(t)
+    ok = np.isfinite(t["runtime_s"])
+    return {g: t.take(np.flatnonzero((keys == g) & ok)) for g in np.unique(keys)}
 
 
 def ape(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -170,25 +187,33 @@ def physics(model, t: Table) -> dict:
 
 
 def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: int,
-             pairs: bool = False, tmp: Path | None = None) -> dict:
+             pairs: bool = False, tmp: Path | None = None,
+             holdout: dict[str, Table] | None = None, holdout_only: bool = False) -> dict:
     """Leave one GPU out: a prior fitted on the other GPUs (and with ``pairs``, on each
     other GPU alone), saved and judged on the left-out GPU through gemmd evaluate
     --model's own code (evaluate.evaluate_model): as it is and carried over by N rows of
     the GPU (one per shape, drawn at random; the other shapes judged), mean of ``seeds``
     draws. Beside it the roofline estimate on the same rows and gemmd's forest fitted on
-    the GPU's own data, judged on unseen shapes (evaluate's shape split)."""
+    the GPU's own data, judged on unseen shapes (evaluate's shape split). ``holdout``: GPUs
+    outside the shared data (--holdout), never in a prior, judged the same way from the
+    prior of all of ``G``."""
     out: dict = {"full": {}, "roofline": {}, "pairs": []}
-    for g, t in G.items():
+    holdout = holdout or {}
+    for g, t in {**G, **holdout}.items():
         full = evaluate.evaluate(t, splits=("shape",), baseline=False, cfg=cfg)
         out["full"][g] = full["splits"]["shape"]["gemmd"]["targets"]["runtime"]
         roof = features.roofline(t) / cfg.roofline_efficiency
         a = ape(roof, t["runtime_s"])
         out["roofline"][g] = {"mape": float(a.mean()), "median_ape": float(np.median(a))}
-    sources = {f"others->{g}": [h for h in G if h != g] for g in G}
+    # source name -> (the GPUs its prior is fitted on, the GPUs it is judged on)
+    sources = {} if holdout_only else {f"others->{g}": ([h for h in G if h != g], [g])
+                                        for g in G}
     if pairs:
-        sources.update({g: [g] for g in G})
+        sources.update({g: ([g], [h for h in G if h != g]) for g in G})
+    if holdout:
+        sources["all"] = (list(G), list(holdout))
     tmp = tmp or Path(os.environ.get("TMPDIR", "/tmp"))
-    for sname, members in sources.items():
+    for members, targets in sources.values():
         t0 = time.perf_counter()
         fitted = ForestModel.fit_table(concat([G[h] for h in members]), cfg)
         fit_s = time.perf_counter() - t0
@@ -202,15 +227,14 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
               "probes (per number of probes), a new kernel's scatter "
               f"{prior.meta.get('ood_sd', {}).get('runtime', {}).get('scatter')}",
               file=sys.stderr, flush=True)
-        for g in G:
-            if g in members or (sname.startswith("others->") and not sname.endswith(g)):
-                continue
+        for g in targets:
+            tg = holdout[g] if g in holdout else G[g]
             t1 = time.perf_counter()
-            res = evaluate.evaluate_model(prior, G[g], cfg=cfg, calibrate_rows=probes,
+            res = evaluate.evaluate_model(prior, tg, cfg=cfg, calibrate_rows=probes,
                                           seeds=seeds)
             rec = {"source": "+".join(members), "target": g, "fit_s": fit_s,
                    "seconds": time.perf_counter() - t1, "logo": logo,
-                   "physics": physics(prior, G[g]), "curve": {}}
+                   "physics": physics(prior, tg), "curve": {}}
             for name, sp in res["splits"].items():
                 if name == "model":
                     continue
@@ -315,7 +339,7 @@ def targets_met(tr: dict) -> str:
          for p in logo if 20 in p["curve"]]
     out.append("- 20 rows <= 10% where all the GPU's own data give <= 5%: " + (", ".join(
         f"{g} {pct(m)} (own data {pct(f)})" for g, m, f in b if f <= 0.05) or
-        "no GPU of the shared data has <= 5%") + "; elsewhere " + ", ".join(
+        "no GPU judged here has <= 5%") + "; elsewhere " + ", ".join(
         f"{g} {pct(m)} (own {pct(f)})" for g, m, f in b if f > 0.05))
     c = [(p["target"], p["curve"][5]["mape"], p["curve"][0]["mape"]) for p in logo
          if 5 in p["curve"] and 0 in p["curve"]]
@@ -347,6 +371,12 @@ def main() -> int:
     ap.add_argument("--defaults", action="store_true",
                     help="only the level pseudo-counts a prior of one GPU model gets "
                          "(offsets.LEVEL_N0_DEFAULT_BY_N), from the shared GPUs")
+    ap.add_argument("--holdout", type=Path, action="append", default=[], metavar="FILE",
+                    help="measurements of GPUs outside the shared data (e.g. a gemmd export, "
+                         "bench/results/*-sweep/sweep.csv), judged from the prior of all the "
+                         "shared GPUs (repeatable)")
+    ap.add_argument("--holdout-only", action="store_true",
+                    help="with --holdout: only those GPUs, no leave-one-out of the shared ones")
     ap.add_argument("--json", type=Path, help="write all figures here")
     ap.add_argument("--markdown", action="store_true", help="print tables in Markdown")
     args = ap.parse_args()
@@ -371,7 +401,8 @@ def main() -> int:
         res["coverage"] = coverage(G, cfg)
     if not args.coverage_only:
         res["transfer"] = transfer(G, cfg, [int(x) for x in args.probes.split(",") if x],
-                                   args.seeds, args.pairs)
+                                   args.seeds, args.pairs, holdout=by_gpu(args.holdout),
+                                   holdout_only=args.holdout_only)
     res["machine"] = {"cpu": platform.processor() or platform.machine(),
                       "cores": os.cpu_count(), "python": platform.python_version(),
                       "load_start": load0, "load_end": os.getloadavg()[0],
