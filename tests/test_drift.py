@@ -870,6 +870,26 @@ def test_the_h200s_real_clock_cap_raises_the_device_alarm_within_3_rounds(probes
     assert "| false alarms over the stock rounds (after the baseline) | 0 |" in out
 
 
+def test_a_second_h200s_clock_cap_below_the_design_shift_is_alarmed_in_round_4(capsys):
+    """The same cap measured again (2026-11-26 23:52 UTC, bench/results/2026-11-26-h200-late):
+    fp32 8192^3 went 21.58 -> 22.55 ms, +4.5%, below the 5% shift the detector is sized
+    for (the first run's +5.1% was alarmed in round 3); bf16 again did not move. Alarmed
+    in the fourth lowered round, the cause named, no false alarm before."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "bench"))
+    import gpu_accept
+
+    gpu_accept.replay_archive(root / "bench/results/2026-11-26-h200-late/results.tar.gz", [])
+    out = capsys.readouterr().out
+    rows = [r for r in out.splitlines() if r.startswith("| 2") and "clocks -" in r]
+    assert [("| yes |" in r) for r in rows[:4]] == [False, False, False, True]
+    assert "runtime: SM clocks -5.3%" in rows[3] and "no throttle reason" in rows[3]
+    assert "| false alarms over the stock rounds (after the baseline) | 0 |" in out
+
+
 def test_a_5_percent_slowdown_of_both_sentinels_at_2_percent_noise_within_3_rounds():
     """Issue 23's hardest detection target: two probes at 2% noise carry 3.5 noise units
     of a 5% shift a round. Against an allowance half way between the tolerance and the
