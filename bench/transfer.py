@@ -23,7 +23,8 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
     python bench/transfer.py [--data ../shared/data] [--probes 0,5,20,50,200] [--seeds 3]
                              [--trees 50] [--pairs] [--caps rtx4070=2000,...]
                              [--coverage-only | --transfer-only | --defaults]
-                             [--holdout FILE... [--holdout-only]] [--json out.json]
+                             [--holdout FILE... [--holdout-only] [--holdout-per-dtype]]
+                             [--json out.json]
                              [--markdown]
 
 Targets (issue 25; figures, not assertions): no prediction faster than physics;
@@ -79,12 +80,15 @@ def per_gpu(data: Path, seed: int = 0) -> dict[str, Table]:
     return out
 
 
-def by_gpu(paths: list[Path]) -> dict[str, Table]:
-    """The rows of ``paths`` (any format gemmd reads) by GPU model, runtime measured."""
+def by_gpu(paths: list[Path], per_dtype: bool = False) -> dict[str, Table]:
+    """The rows of ``paths`` (any format gemmd reads) by GPU model (``per_dtype``: by GPU
+    model and dtype, "h200/fp16"), runtime measured."""
     if not paths:
         return {}
     t = datasets.load("auto", paths).table
     keys = row_keys(t)
+    if per_dtype:
+        keys = np.array([f"{k}/{d}" for k, d in zip(keys, t["dtype"])], dtype=object)
     ok = np.isfinite(t["runtime_s"])
     return {g: t.take(np.flatnonzero((keys == g) & ok)) for g in np.unique(keys)}
 
@@ -377,6 +381,9 @@ def main() -> int:
                          "shared GPUs (repeatable)")
     ap.add_argument("--holdout-only", action="store_true",
                     help="with --holdout: only those GPUs, no leave-one-out of the shared ones")
+    ap.add_argument("--holdout-per-dtype", action="store_true",
+                    help="with --holdout: each of their dtypes judged on its own (as a file "
+                         "of one GPU and one dtype would be)")
     ap.add_argument("--json", type=Path, help="write all figures here")
     ap.add_argument("--markdown", action="store_true", help="print tables in Markdown")
     args = ap.parse_args()
@@ -401,7 +408,8 @@ def main() -> int:
         res["coverage"] = coverage(G, cfg)
     if not args.coverage_only:
         res["transfer"] = transfer(G, cfg, [int(x) for x in args.probes.split(",") if x],
-                                   args.seeds, args.pairs, holdout=by_gpu(args.holdout),
+                                   args.seeds, args.pairs,
+                                   holdout=by_gpu(args.holdout, args.holdout_per_dtype),
                                    holdout_only=args.holdout_only)
     res["machine"] = {"cpu": platform.processor() or platform.machine(),
                       "cores": os.cpu_count(), "python": platform.python_version(),
