@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # gemmd's own probes over a grid of shapes and dtypes on the lent GPU machine
 # (../shared/gpu/README.md), exported as CSV: timings of a GPU the model never saw, to judge
-# transfer on (`gemmd evaluate --model prior.skops --calibrate-rows 0,5,20 OUT/sweep.csv`).
-# Usage: bench/gpu_sweep.sh OUTDIR [SECONDS]   (default 360 s; a chunk is not started after)
+# transfer on (`python bench/transfer.py --holdout OUT/sweep.csv`, or
+# `gemmd evaluate --model prior.skops --calibrate-rows 0,5,20 OUT/sweep.csv`).
+#
+# Usage: bench/gpu_sweep.sh OUTDIR [SECONDS]   (default 360 s; no chunk is started after)
+#
 # One `gemmd probe` process per (dtype, M), the store exported after each, so a run cut at
-# any point returns what it measured. Window 0.5 s, the least the NVIDIA backend accepts (NVML's energy counter
-# moves in ~100 ms steps).
+# any point returns what it measured. Window 0.5 s, the least the NVIDIA backend accepts
+# (NVML's energy counter moves in ~100 ms steps). Environment, for a smaller run or the
+# simulated GPU (tests/test_gpu_accept.py): GEMMD_SWEEP_BACKEND (nvidia),
+# GEMMD_SWEEP_SIZES ("256 1024 2048 4096 8192", each of M, N, K), GEMMD_SWEEP_DTYPES
+# ("bf16 fp16 tf32 fp32").
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: bench/gpu_sweep.sh OUTDIR [SECONDS]}
 budget=${2:-360}
+backend=${GEMMD_SWEEP_BACKEND:-nvidia}
+sizes=${GEMMD_SWEEP_SIZES:-256 1024 2048 4096 8192}
+dtypes=${GEMMD_SWEEP_DTYPES:-bf16 fp16 tf32 fp32}
 mkdir -p "$out" || exit
 if compgen -G "$root/.whl/*.whl" > /dev/null; then
   python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$root"/.whl/*.whl \
@@ -17,19 +26,19 @@ if compgen -G "$root/.whl/*.whl" > /dev/null; then
 else
   export PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH}
 fi
-state=$(mktemp -d)
+state=$(mktemp -d) || exit
+trap 'rm -rf "$state"' EXIT
 log=$out/sweep.log
-sizes="256 1024 2048 4096 8192"
 start=$SECONDS
 nvidia-smi -q -d CLOCK,POWER,PERFORMANCE,TEMPERATURE > "$out/smi_before.txt" 2>&1
-for dtype in bf16 fp16 tf32 fp32; do
+for dtype in $dtypes; do
   for m in $sizes; do
     left=$((budget - (SECONDS - start)))
     if ((left <= 0)); then echo "cut by the budget: $dtype M=$m not run" >> "$log"; continue; fi
     args=()
     for n in $sizes; do for k in $sizes; do args+=(--shape "${m}x${n}x${k}"); done; done
     t0=$SECONDS
-    timeout $((left + 30)) python3 -m gemmd probe --backend nvidia --state-dir "$state" \
+    timeout $((left + 30)) python3 -m gemmd probe --backend "$backend" --state-dir "$state" \
       --dtype "$dtype" --window 0.5 --force --format csv "${args[@]}" \
       > /dev/null 2>> "$log"
     echo "$dtype M=$m: exit $?, $((SECONDS - t0)) s" >> "$log"
@@ -37,4 +46,7 @@ for dtype in bf16 fp16 tf32 fp32; do
   done
 done
 nvidia-smi -q -d CLOCK,POWER,PERFORMANCE,TEMPERATURE > "$out/smi_after.txt" 2>&1
-echo "done in $((SECONDS - start)) s; $(($(wc -l < "$out/sweep.csv") - 1)) rows" | tee -a "$log"
+rows=0
+[[ -f $out/sweep.csv ]] && rows=$(($(wc -l < "$out/sweep.csv") - 1))
+echo "done in $((SECONDS - start)) s; $rows rows" | tee -a "$log"
+((rows > 0))

@@ -151,3 +151,42 @@ def test_power_after_idle_refuses_bad_gaps_in_one_line(tmp_path, gaps):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"--gaps {gaps!r}" in r.stderr
     assert not (tmp_path / "power_after_idle.csv").exists()
+
+
+def _sweep(out, budget: str, **env_extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GEMMD_SWEEP_BACKEND="fake",
+               GEMMD_SWEEP_SIZES="256 512", GEMMD_SWEEP_DTYPES="bf16 fp32",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               **env_extra)
+    env.pop("GEMMD_CONFIG", None)
+    return subprocess.run(["bash", "bench/gpu_sweep.sh", str(out), budget], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_gpu_sweep_exports_every_shape_and_dtype_for_the_transfer_bench(tmp_path):
+    """bench/gpu_sweep.sh on the simulated GPU (2 devices): every (M, N, K) of the sizes
+    for each dtype, exported as a file that bench/transfer.py --holdout (and gemmd
+    evaluate) reads, per GPU model and per dtype; a run with no time left measures
+    nothing and says so, with a non-zero exit."""
+    out = tmp_path / "sweep"
+    p = _sweep(out, "300")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    assert len(rows) == 2 * 2 * 2**3  # devices x dtypes x shapes
+    assert {(r["m"], r["n"], r["k"]) for r in rows} == {
+        (m, n, k) for m in ("256", "512") for n in ("256", "512") for k in ("256", "512")}
+    assert {r["dtype"] for r in rows} == {"bf16", "fp32"}
+    assert all(float(r["runtime_s"]) > 0 for r in rows)
+    sys.path.insert(0, str(ROOT / "bench"))
+    import transfer
+
+    by = transfer.by_gpu([out / "sweep.csv"])
+    assert len(by) == 1 and sum(len(t) for t in by.values()) == 32
+    per = transfer.by_gpu([out / "sweep.csv"], per_dtype=True)
+    assert sorted(k.split("/")[1] for k in per) == ["bf16", "fp32"]
+    assert all(set(t["dtype"]) == {k.split("/")[1]} for k, t in per.items())
+    late = tmp_path / "late"
+    p = _sweep(late, "0")
+    assert p.returncode != 0 and "done in" in p.stdout and "0 rows" in p.stdout
+    assert (late / "sweep.log").read_text().count("cut by the budget") == 4
+    assert not (late / "sweep.csv").exists()
