@@ -47,6 +47,7 @@ import numpy as np
 
 from gemmd import bounds, datasets, evaluate, features
 from gemmd.config import ModelConfig
+from gemmd.errors import GemmdError, InputError
 from gemmd.features import Table, concat
 from gemmd.hardware import gpu_model_key
 from gemmd.model import ForestModel
@@ -90,7 +91,10 @@ def by_gpu(paths: list[Path], per_dtype: bool = False) -> dict[str, Table]:
     if per_dtype:
         keys = np.array([f"{k}/{d}" for k, d in zip(keys, t["dtype"])], dtype=object)
     ok = np.isfinite(t["runtime_s"])
-    return {g: t.take(np.flatnonzero((keys == g) & ok)) for g in np.unique(keys)}
+    out = {g: t.take(np.flatnonzero((keys == g) & ok)) for g in np.unique(keys[ok])}
+    if not out:
+        raise InputError(f"{', '.join(map(str, paths))}: no row with a measured runtime")
+    return out
 
 
 def ape(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -202,7 +206,8 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
     outside the shared data (--holdout), never in a prior, judged the same way from the
     prior of all of ``G``."""
     out: dict = {"full": {}, "roofline": {}, "pairs": []}
-    holdout = holdout or {}
+    # a file of a shared GPU model is judged under its own name, not in its place
+    holdout = {f"{g} (--holdout)" if g in G else g: t for g, t in (holdout or {}).items()}
     for g, t in {**G, **holdout}.items():
         full = evaluate.evaluate(t, splits=("shape",), baseline=False, cfg=cfg)
         out["full"][g] = full["splits"]["shape"]["gemmd"]["targets"]["runtime"]
@@ -396,6 +401,11 @@ def main() -> int:
     for kv in filter(None, args.caps.split(",")):
         k, v = kv.split("=")
         CAPS[k] = int(v)
+    try:
+        holdout = by_gpu(args.holdout, args.holdout_per_dtype)
+    except GemmdError as e:
+        print(f"bench/transfer.py: --holdout: {e}", file=sys.stderr)
+        return 2
     G = per_gpu(args.data)
     res: dict = {"rows": {g: len(t) for g, t in G.items()}, "trees": args.trees}
     if args.defaults:
@@ -408,8 +418,7 @@ def main() -> int:
         res["coverage"] = coverage(G, cfg)
     if not args.coverage_only:
         res["transfer"] = transfer(G, cfg, [int(x) for x in args.probes.split(",") if x],
-                                   args.seeds, args.pairs,
-                                   holdout=by_gpu(args.holdout, args.holdout_per_dtype),
+                                   args.seeds, args.pairs, holdout=holdout,
                                    holdout_only=args.holdout_only)
     res["machine"] = {"cpu": platform.processor() or platform.machine(),
                       "cores": os.cpu_count(), "python": platform.python_version(),

@@ -153,11 +153,10 @@ def test_power_after_idle_refuses_bad_gaps_in_one_line(tmp_path, gaps):
     assert not (tmp_path / "power_after_idle.csv").exists()
 
 
-def _sweep(out, budget: str, **env_extra):
+def _sweep(out, budget: str):
     env = dict(os.environ, PYTHONPATH=str(ROOT), GEMMD_SWEEP_BACKEND="fake",
                GEMMD_SWEEP_SIZES="256 512", GEMMD_SWEEP_DTYPES="bf16 fp32",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-               **env_extra)
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     env.pop("GEMMD_CONFIG", None)
     return subprocess.run(["bash", "bench/gpu_sweep.sh", str(out), budget], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
