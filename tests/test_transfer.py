@@ -23,6 +23,7 @@ from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min
 from gemmd.model.offsets import (
     LEVEL_N0_DEFAULT_BY_N,
     _robust_offsets,
+    group_n0,
     interval_scale,
     level_n0,
 )
@@ -507,7 +508,7 @@ def test_the_level_worth_is_validated_per_number_of_probes():
     rng = np.random.default_rng(0)
     off = (0.6 + rng.normal(0, 0.1, 400), np.array(["bf16/blas"] * 400, dtype=object))
     heavy = (rng.standard_t(2, 400) * 0.35, np.array(["bf16/blas"] * 400, dtype=object))
-    n0s, gain, _ = _validate_calibration([off, heavy], 0.3, 0)
+    n0s, gain, _, _ = _validate_calibration([off, heavy], 0.3, 0)
     assert set(n0s) == {str(n) for n in CAL_PROBES} and set(n0s.values()) <= set(LEVEL_N0_GRID)
     for n, r in ((5, heavy[0]), (5, off[0]), (50, heavy[0])):
         tau = 0.3 / np.sqrt(n0s[str(n)])
@@ -527,6 +528,49 @@ def test_the_level_worth_is_validated_per_number_of_probes():
     assert level_n0(rec, np.sqrt(250)) == pytest.approx(8.0)
     assert level_n0({"level_n0": 4.0}, 20) == 4.0  # a model saved before: its one value
     assert level_n0({}, 20) == pytest.approx(LEVEL_N0_DEFAULT_BY_N["20"])  # no evidence
+
+
+def test_a_dtype_whose_offset_moves_between_gpus_gets_its_own_worth(fleet):
+    """Leave-one-GPU-out judges each dtype/kernel's offset apart from the level: on the
+    shared data tf32 sits 0.16-0.88 in log from a held-out GPU's median under the other
+    GPUs' prior while its other dtypes sit within 0.09, and 20 probes of the H200 moved
+    tf32 by 0.015 when every offset was as uncertain as the level. Three held-out GPUs
+    right on average, tf32 off by -0.7..+0.9: at 5 probes the level keeps the prior and
+    tf32 gets its own, freer, pseudo-count; bf16 and fp16 keep the level's, and bf16,
+    most of each GPU's rows (its offset is that GPU's level), is not judged. Served: a
+    new GPU's tf32 probes then move tf32's offset, and a model saved without that choice
+    calibrates as before."""
+    for seed in (3, 4):
+        rng = np.random.default_rng(seed)
+        resid = []
+        for i, off in enumerate((0.8, -0.7, 0.9)):
+            names = ["bf16/blas", "tf32/blas", "fp16/blas"][:3 if i < 2 else 2]
+            p = [0.55, 0.15, 0.3] if i < 2 else [0.85, 0.15]
+            g = rng.choice(np.array(names, dtype=object), 800, p=p)
+            resid.append((rng.normal(0, 0.3, 800) + np.where(g == "tf32/blas", off, 0.0), g))
+        n0s, gain, _, own = _validate_calibration(resid, 0.3, 0, groups=True)
+        assert n0s["5"] >= 32 and own["tf32/blas"]["5"] <= 4
+        assert all(own.get(g, {}).get("5", n0s["5"]) == n0s["5"]
+                   for g in ("bf16/blas", "fp16/blas"))
+        assert all(v <= 1.0 for v in gain.values())
+        assert "bf16/blas" not in own  # most of each GPU's rows: its offset is the level
+        assert _validate_calibration(resid, 0.3, 0)[3] == {}  # not asked for (power, energy)
+    rec = {"group_n0_by_n": {"fp16/blas": {"5": 1.0, "50": 16.0}}}
+    assert group_n0(rec, "fp16/blas", 5) == 1.0 and group_n0(rec, "bf16/blas", 5) is None
+    # served, on a GPU model the fleet never saw: its fp16 1.6x slower than its bf16
+    probes = features.concat([rows(H100, 6, 40, 0.6, ("bf16",)),
+                              rows(H100, 5, 41, 0.6 / 1.6, ("fp16",))])
+    cals = {}
+    for name, by_n in (("before", {}), ("own", {"fp16/blas": {"5": 1.0, "20": 1.0}})):
+        m = copy.deepcopy(fleet)
+        m.meta["logo"]["runtime"]["group_n0_by_n"] = by_n
+        cals[name] = calibrate(m, probes)[H100.uuid]
+    moved = {k: c.groups["runtime"]["fp16/blas"] - c.groups["runtime"]["bf16/blas"]
+             for k, c in cals.items()}
+    assert moved["own"] > 0.3 > 0.1 > moved["before"]  # log(1.6) = 0.47
+    assert cals["own"].group_sd["runtime"]["fp16/blas"] > \
+        cals["own"].group_sd["runtime"]["bf16/blas"] == \
+        cals["before"].group_sd["runtime"]["bf16/blas"]
 
 
 def test_a_few_probes_do_not_widen_the_interval_on_their_own_say(prior, monkeypatch):
@@ -569,8 +613,8 @@ def test_the_calibrated_interval_is_scaled_as_leave_one_gpu_out_found(fleet):
     g = np.array(["bf16/blas"] * 400, dtype=object)
     calm = [(0.4 + rng.normal(0, 0.05, 400), g), (-0.3 + rng.normal(0, 0.05, 400), g)]
     wild = [(0.4 + rng.standard_t(2, 400) * 0.5, g), (rng.standard_t(2, 400) * 0.5, g)]
-    _, _, narrow = _validate_calibration(calm, 0.3, 0)
-    _, _, wide = _validate_calibration(wild, 0.3, 0)
+    _, _, narrow, _ = _validate_calibration(calm, 0.3, 0)
+    _, _, wide, _ = _validate_calibration(wild, 0.3, 0)
     assert set(narrow) == {str(n) for n in CAL_PROBES}
     assert all(v < 0.9 for v in narrow.values())
     assert wide["5"] > 1.1  # (from more probes the posterior's own scatter learns it)

@@ -22,6 +22,7 @@ from gemmd.model.offsets import (
     DeviceCalibration,
     _groups,
     _robust_offsets,
+    group_n0,
     interval_scale,
     level_n0,
 )
@@ -40,6 +41,14 @@ def _unknown_priors(prior: ForestModel, target: str, probes: float) -> tuple[flo
     rec = (prior.meta.get("logo") or {}).get(target) or {}
     s0 = float(rec.get("shape_sd", RESID_SD0)) or RESID_SD0
     return max(s0 / math.sqrt(level_n0(rec, probes, target)), LEVEL_SD_FLOOR), s0
+
+
+def _group_sd(rec: Mapping, group: str, probes: float, s0: float, tied: float) -> float:
+    """A dtype/kernel offset's prior spread on a GPU model the prior never saw: ``s0``
+    over the square root of the pseudo-count leave-one-GPU-out chose for that group
+    (group_n0), else ``tied`` (as uncertain as the level)."""
+    g0 = group_n0(rec, group, probes)
+    return tied if g0 is None else max(s0 / math.sqrt(g0), LEVEL_SD_FLOOR)
 
 
 def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
@@ -76,11 +85,11 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 continue
             tau_o = prior.ood_sd(target)
             e, g = r[ok], g_all[ok]
+            rec_logo = (prior.meta.get("logo") or {}).get(target) or {}
+            n_shapes = len(np.unique(shape_ids[sel][ok]))
             if unknown:
-                n_shapes = len(np.unique(shape_ids[sel][ok]))
                 tau_b, s0 = _unknown_priors(prior, target, n_shapes)
-                cal.scale[target] = interval_scale(
-                    (prior.meta.get("logo") or {}).get(target) or {}, n_shapes)
+                cal.scale[target] = interval_scale(rec_logo, n_shapes)
             else:
                 tau_b = LEVEL_SD_KNOWN
                 s0 = max(float(np.median(sd_in[sel][ok])), 0.02)
@@ -89,11 +98,13 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # as far off as such a kernel can be (OOD_SD's "kernel": no validation judged
             # the prior's level for it, and the level's pseudo-count was chosen on GPUs
             # whose kernels the prior knew); else on a GPU model the prior never saw, as
-            # uncertain as the level (validation judged them together, with the same
-            # pseudo-count); on a known one, GROUP_SD_KNOWN where the prior knows the pair
-            # there, else as a dtype outside the domain
+            # leave-one-GPU-out chose for that group where it chose apart from the level
+            # (tf32 on the shared data), else as uncertain as the level (validation judged
+            # them together, with the same pseudo-count); on a known one, GROUP_SD_KNOWN
+            # where the prior knows the pair there, else as a dtype outside the domain
             tau_g = np.array([tau_o["kernel"] if name.split("/")[1] not in known_kernels
-                              else min(tau_b, tau_o["dtype"]) if unknown else
+                              else _group_sd(rec_logo, str(name), n_shapes, s0,
+                                             min(tau_b, tau_o["dtype"])) if unknown else
                               GROUP_SD_KNOWN if name in known_pairs
                               else tau_o["dtype"] for name in names])
             n_g = np.bincount(gi, minlength=len(names)).astype(float)

@@ -56,6 +56,14 @@ def level_n0(rec: Mapping[str, Any], probes: float, target: str = "runtime") -> 
                                     [math.log(v) for _, v in ns])))
 
 
+def group_n0(rec: Mapping[str, Any], group: str, probes: float) -> float | None:
+    """A dtype/kernel offset's own worth in probes on a GPU model the prior never saw,
+    for a calibration on ``probes`` probes, where leave-one-GPU-out chose one for that
+    group (interpolated as level_n0); else None: as uncertain as the level."""
+    by_n = (rec.get("group_n0_by_n") or {}).get(group)
+    return level_n0({"level_n0_by_n": by_n}, probes) if by_n else None
+
+
 def interval_scale(rec: Mapping[str, Any], probes: float) -> float:
     """The factor on a calibration's interval on a GPU model the prior never saw, for
     ``probes`` probes: leave-one-GPU-out's at that many (interpolated as level_n0); 1
