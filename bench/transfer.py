@@ -284,7 +284,7 @@ def defaults(G: dict[str, Table], cfg: ModelConfig, seeds: int) -> dict:
     runs = [_validate_calibration(resid, RESID_SD0, seed, cfg.interval)
             for seed in range(seeds)]
     chosen = {n: max(r[0][n] for r in runs) for n in runs[0][0]}
-    for seed, (n0s, gain, scale) in enumerate(runs):
+    for seed, (n0s, gain, scale, _) in enumerate(runs):
         print(f"  seed {seed}: level worth {n0s} probes, error against none {gain}, "
               f"interval scale {scale}", file=sys.stderr)
     return {"runs": runs, "level_n0_by_n": chosen}
