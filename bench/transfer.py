@@ -401,6 +401,10 @@ def main() -> int:
     for kv in filter(None, args.caps.split(",")):
         k, v = kv.split("=")
         CAPS[k] = int(v)
+    if (args.holdout_only or args.holdout_per_dtype) and not args.holdout:
+        print("bench/transfer.py: --holdout-only and --holdout-per-dtype need --holdout FILE",
+              file=sys.stderr)
+        return 2
     try:
         holdout = by_gpu(args.holdout, args.holdout_per_dtype)
     except GemmdError as e:
