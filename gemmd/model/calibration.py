@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ def _unknown_priors(prior: ForestModel, target: str, probes: float) -> tuple[flo
     return max(s0 / math.sqrt(level_n0(rec, probes, target)), LEVEL_SD_FLOOR), s0
 
 
-def _group_sd(rec: Mapping, group: str, probes: float, s0: float, tied: float) -> float:
+def _group_sd(rec: Mapping[str, Any], group: str, probes: float, s0: float, tied: float) -> float:
     """A dtype/kernel offset's prior spread on a GPU model the prior never saw: ``s0``
     over the square root of the pseudo-count leave-one-GPU-out chose for that group
     (group_n0), else ``tied`` (as uncertain as the level)."""
