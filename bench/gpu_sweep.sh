@@ -19,7 +19,9 @@ backend=${GEMMD_SWEEP_BACKEND:-nvidia}
 sizes=${GEMMD_SWEEP_SIZES:-256 1024 2048 4096 8192}
 dtypes=${GEMMD_SWEEP_DTYPES:-bf16 fp16 tf32 fp32}
 mkdir -p "$out" || exit
-if compgen -G "$root/.whl/*.whl" > /dev/null; then
+# the lent machine's missing dependencies (../shared/gpu/README.md); not for the simulated
+# GPU, which runs in the project's own environment
+if [[ $backend == nvidia ]] && compgen -G "$root/.whl/*.whl" > /dev/null; then
   python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$root"/.whl/*.whl \
     || exit
   export PYTHONPATH=/tmp/site:$root

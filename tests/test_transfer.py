@@ -530,41 +530,79 @@ def test_the_level_worth_is_validated_per_number_of_probes():
     assert level_n0({}, 20) == pytest.approx(LEVEL_N0_DEFAULT_BY_N["20"])  # no evidence
 
 
-def test_a_dtype_whose_offset_moves_between_gpus_gets_its_own_worth(fleet):
+def _resid(seed: int, groups: list[tuple[list[str], list[float]]],
+           offsets: dict[str, tuple[float, ...]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Held-out GPUs' log residuals right on average (scatter 0.3), each GPU's groups
+    drawn with the given shares, a group's rows off by offsets[group][gpu]."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (names, p) in enumerate(groups):
+        g = rng.choice(np.array(names, dtype=object), 800, p=p)
+        r = rng.normal(0, 0.3, 800)
+        for name, off in offsets.items():
+            r = r + np.where(g == name, off[i], 0.0)
+        out.append((r, g))
+    return out
+
+
+def test_a_dtype_whose_offset_moves_between_gpus_gets_its_own_worth():
     """Leave-one-GPU-out judges each dtype/kernel's offset apart from the level: on the
     shared data tf32 sits 0.16-0.88 in log from a held-out GPU's median under the other
     GPUs' prior while its other dtypes sit within 0.09, and 20 probes of the H200 moved
     tf32 by 0.015 when every offset was as uncertain as the level. Three held-out GPUs
     right on average, tf32 off by -0.7..+0.9: at 5 probes the level keeps the prior and
-    tf32 gets its own, freer, pseudo-count; bf16 and fp16 keep the level's, and bf16,
-    most of each GPU's rows (its offset is that GPU's level), is not judged. Served: a
-    new GPU's tf32 probes then move tf32's offset, and a model saved without that choice
-    calibrates as before."""
+    tf32 gets its own, freer, pseudo-count (at every count, the level's where it chose
+    none); bf16 and fp16 keep the level's there. Not judged: a group that is most of a
+    GPU's rows (its offset is that GPU's level: fp8 here, 60% of one) and a group of one
+    GPU (fp32 here), however far off."""
+    three = [(["bf16/blas", "tf32/blas", "fp16/blas"], [0.55, 0.15, 0.3])] * 2 + \
+        [(["bf16/blas", "tf32/blas"], [0.85, 0.15])]
     for seed in (3, 4):
-        rng = np.random.default_rng(seed)
-        resid = []
-        for i, off in enumerate((0.8, -0.7, 0.9)):
-            names = ["bf16/blas", "tf32/blas", "fp16/blas"][:3 if i < 2 else 2]
-            p = [0.55, 0.15, 0.3] if i < 2 else [0.85, 0.15]
-            g = rng.choice(np.array(names, dtype=object), 800, p=p)
-            resid.append((rng.normal(0, 0.3, 800) + np.where(g == "tf32/blas", off, 0.0), g))
+        resid = _resid(seed, three, {"tf32/blas": (0.8, -0.7, 0.9)})
         n0s, gain, _, own = _validate_calibration(resid, 0.3, 0, groups=True)
         assert n0s["5"] >= 32 and own["tf32/blas"]["5"] <= 4
+        assert set(own["tf32/blas"]) == set(n0s)
         assert all(own.get(g, {}).get("5", n0s["5"]) == n0s["5"]
                    for g in ("bf16/blas", "fp16/blas"))
         assert all(v <= 1.0 for v in gain.values())
-        assert "bf16/blas" not in own  # most of each GPU's rows: its offset is the level
         assert _validate_calibration(resid, 0.3, 0)[3] == {}  # not asked for (power, energy)
-    rec = {"group_n0_by_n": {"fp16/blas": {"5": 1.0, "50": 16.0}}}
+    mixed = [(["bf16/blas", "tf32/blas", "fp8/blas", "fp32/blas"], [0.15, 0.1, 0.6, 0.15]),
+             (["bf16/blas", "tf32/blas", "fp8/blas"], [0.65, 0.15, 0.2]),
+             (["bf16/blas", "tf32/blas"], [0.85, 0.15])]
+    resid = _resid(4, mixed, {"tf32/blas": (0.8, -0.7, 0.9), "fp8/blas": (-0.8, 0.7, 0),
+                              "fp32/blas": (0.9, 0, 0)})
+    n0s, _, _, own = _validate_calibration(resid, 0.3, 0, groups=True)
+    assert n0s["5"] >= 32 and own["tf32/blas"]["5"] <= 4
+    assert "fp8/blas" not in own and "fp32/blas" not in own
+
+
+def test_the_groups_own_worth_is_stored_at_fit_time_and_served(monkeypatch):
+    """Fitting a prior of several GPU models asks leave-one-GPU-out for the groups' own
+    pseudo-counts for runtime (not power or energy) and stores them in the model; a
+    calibration on a GPU model it never saw then shrinks that group's offset by them:
+    its probes move it (fp16 1.6x slower than bf16 here) where, as uncertain as the level,
+    they barely did; a model saved without them calibrates as before."""
+    asked = {}
+    real = validation._validate_calibration
+
+    def spy(resid, s0, seed, interval=0.9, groups=False):
+        asked[len(asked)] = groups
+        n0s, gain, scale, own = real(resid, s0, seed, interval, groups)
+        return n0s, gain, scale, {"fp16/blas": {"5": 1.0, "20": 1.0, "50": 1.0}} \
+            if groups else own
+    monkeypatch.setattr(validation, "_validate_calibration", spy)
+    fitted = ForestModel.fit_table(features.concat(fleet_rows()), CFG)
+    monkeypatch.undo()
+    assert list(asked.values()).count(True) == 1  # runtime's only
+    rec = fitted.meta["logo"]["runtime"]
+    assert rec["group_n0_by_n"] == {"fp16/blas": {"5": 1.0, "20": 1.0, "50": 1.0}}
     assert group_n0(rec, "fp16/blas", 5) == 1.0 and group_n0(rec, "bf16/blas", 5) is None
-    # served, on a GPU model the fleet never saw: its fp16 1.6x slower than its bf16
     probes = features.concat([rows(H100, 6, 40, 0.6, ("bf16",)),
                               rows(H100, 5, 41, 0.6 / 1.6, ("fp16",))])
-    cals = {}
-    for name, by_n in (("before", {}), ("own", {"fp16/blas": {"5": 1.0, "20": 1.0}})):
-        m = copy.deepcopy(fleet)
-        m.meta["logo"]["runtime"]["group_n0_by_n"] = by_n
-        cals[name] = calibrate(m, probes)[H100.uuid]
+    before = copy.deepcopy(fitted)
+    before.meta["logo"]["runtime"].pop("group_n0_by_n")
+    cals = {k: calibrate(m, probes)[H100.uuid] for k, m in (("own", fitted),
+                                                           ("before", before))}
     moved = {k: c.groups["runtime"]["fp16/blas"] - c.groups["runtime"]["bf16/blas"]
              for k, c in cals.items()}
     assert moved["own"] > 0.3 > 0.1 > moved["before"]  # log(1.6) = 0.47

@@ -44,12 +44,14 @@ def _unknown_priors(prior: ForestModel, target: str, probes: float) -> tuple[flo
     return max(s0 / math.sqrt(level_n0(rec, probes, target)), LEVEL_SD_FLOOR), s0
 
 
-def _group_sd(rec: Mapping[str, Any], group: str, probes: float, s0: float, tied: float) -> float:
+def _group_sd(rec: Mapping[str, Any], group: str, probes: float, s0: float, tied: float,
+              cap: float) -> float:
     """A dtype/kernel offset's prior spread on a GPU model the prior never saw: ``s0``
     over the square root of the pseudo-count leave-one-GPU-out chose for that group
-    (group_n0), else ``tied`` (as uncertain as the level)."""
+    (group_n0), at most ``cap`` (a dtype outside the domain, as the level's), else
+    ``tied`` (as uncertain as the level)."""
     g0 = group_n0(rec, group, probes)
-    return tied if g0 is None else max(s0 / math.sqrt(g0), LEVEL_SD_FLOOR)
+    return tied if g0 is None else min(max(s0 / math.sqrt(g0), LEVEL_SD_FLOOR), cap)
 
 
 def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
@@ -100,12 +102,13 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # the prior's level for it, and the level's pseudo-count was chosen on GPUs
             # whose kernels the prior knew); else on a GPU model the prior never saw, as
             # leave-one-GPU-out chose for that group where it chose apart from the level
-            # (tf32 on the shared data), else as uncertain as the level (validation judged
+            # (tf32, bf16 on the shared data), else as uncertain as the level (validation judged
             # them together, with the same pseudo-count); on a known one, GROUP_SD_KNOWN
             # where the prior knows the pair there, else as a dtype outside the domain
             tau_g = np.array([tau_o["kernel"] if name.split("/")[1] not in known_kernels
                               else _group_sd(rec_logo, str(name), n_shapes, s0,
-                                             min(tau_b, tau_o["dtype"])) if unknown else
+                                             min(tau_b, tau_o["dtype"]), tau_o["dtype"])
+                              if unknown else
                               GROUP_SD_KNOWN if name in known_pairs
                               else tau_o["dtype"] for name in names])
             n_g = np.bincount(gi, minlength=len(names)).astype(float)
