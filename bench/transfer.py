@@ -49,9 +49,8 @@ from gemmd import bounds, datasets, evaluate, features
 from gemmd.config import ModelConfig
 from gemmd.errors import GemmdError, InputError
 from gemmd.features import Table, concat
-from gemmd.hardware import gpu_model_key
 from gemmd.model import ForestModel
-from gemmd.model.validation import share_cut
+from gemmd.model.validation import _row_gpu_keys, share_cut
 
 GPUS = ("rtx4070", "b200", "h100-sxm", "mi355x")
 # Rows per GPU (random subsample; GPPerf's tiled rows are always kept): bounds the run
@@ -60,14 +59,9 @@ CAPS = {"rtx4070": 5000, "b200": 8000, "h100-sxm": 5000, "mi355x": 4000}
 TEST_SHARE, TEST_MAX = 0.25, 1500
 
 
-def row_keys(t: Table) -> np.ndarray:
-    """Each row's GPU model key (hardware.gpu_model_key)."""
-    return np.array([gpu_model_key(d) for d in t.devices])[t.device]
-
-
 def per_gpu(data: Path, seed: int = 0) -> dict[str, Table]:
     t = concat([datasets.load_shared(n, data).table for n in datasets.SHARED])
-    keys = row_keys(t)
+    keys = _row_gpu_keys(t)
     rng = np.random.default_rng(seed)
     ok = np.isfinite(t["runtime_s"])
     out = {}
@@ -87,7 +81,7 @@ def by_gpu(paths: list[Path], per_dtype: bool = False) -> dict[str, Table]:
     if not paths:
         return {}
     t = datasets.load("auto", paths).table
-    keys = row_keys(t)
+    keys = _row_gpu_keys(t)
     if per_dtype:
         keys = np.array([f"{k}/{d}" for k, d in zip(keys, t["dtype"])], dtype=object)
     ok = np.isfinite(t["runtime_s"])
