@@ -189,3 +189,24 @@ def test_the_gpu_sweep_exports_every_shape_and_dtype_for_the_transfer_bench(tmp_
     assert p.returncode != 0 and "done in" in p.stdout and "0 rows" in p.stdout
     assert (late / "sweep.log").read_text().count("cut by the budget") == 4
     assert not (late / "sweep.csv").exists()
+
+
+@pytest.mark.parametrize("content, args, says", [
+    ("x,y\n", ["--holdout"], "no data rows"),
+    (None, ["--holdout"], "cannot read"),
+    (None, ["--holdout-only"], "need --holdout FILE"),
+    ("x,y\n", ["--defaults", "--holdout"], "not with --defaults"),
+])
+def test_the_transfer_bench_refuses_a_bad_holdout_in_one_line(tmp_path, content, args, says):
+    """bench/transfer.py --holdout: a file it cannot use, or options that need one, stop
+    it with one line and exit 2 before any model is fitted."""
+    (tmp_path / "data" / "gpperf").mkdir(parents=True)  # past the shared-data check
+    f = tmp_path / "holdout.csv"
+    if content is not None:
+        f.write_text(content)
+    argv = [a for x in args for a in ([x, str(f)] if x == "--holdout" else [x])]
+    r = subprocess.run([sys.executable, "bench/transfer.py", "--data",
+                        str(tmp_path / "data"), *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr
