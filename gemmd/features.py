@@ -102,11 +102,17 @@ class Table:
             cols[c] = np.array([_num(r.get(c), math.nan) for r in rows], dtype=np.float64)
         if any("ts" in r for r in rows[:1]):
             cols["ts"] = np.array([_num(r.get("ts"), math.nan) for r in rows], dtype=np.float64)
+        if any("source" in r for r in rows[:1]):
+            cols["source"] = np.array([str(r.get("source") or "") for r in rows], dtype=object)
         return cls(cols, devices, device)
 
     @classmethod
-    def from_specs(cls, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]) -> Table:
-        return cls.from_rows([_spec_row(s) for s in specs], infos)
+    def from_specs(cls, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo],
+                   source: str = "") -> Table:
+        """``source``: whose measurement is predicted (row_sources; "daemon": gemmd's own
+        probes), '' for none in particular."""
+        rows = [_spec_row(s) for s in specs]
+        return cls.from_rows([{**r, "source": source} for r in rows] if source else rows, infos)
 
 
 def _spec_row(s: ProbeSpec) -> dict[str, Any]:
@@ -137,6 +143,16 @@ def _index_devices(infos: Sequence[DeviceInfo]) -> tuple[list[DeviceInfo], np.nd
     return devices, idx
 
 
+def row_sources(t: Table) -> np.ndarray:
+    """Per row, the source its measurement came from ("daemon": gemmd's own probes; an
+    imported file's format or source name), '' where unknown. Two sources may time the
+    same GEMM differently (XLA's table: one launch at boost clocks; gemmd: back-to-back
+    GEMMs over a 0.5 s window, at the power cap where it binds): model.domain keeps them
+    apart."""
+    src = t.cols.get("source")
+    return np.full(len(t), "", dtype=object) if src is None else src
+
+
 def concat(tables: Sequence[Table]) -> Table:
     """One table from several (columns present in all of them)."""
     devices: list[DeviceInfo] = []
@@ -152,6 +168,8 @@ def concat(tables: Sequence[Table]) -> Table:
         maps.append(np.asarray(m, dtype=np.int64))
     keys = [k for k in tables[0].cols if all(k in t.cols for t in tables)]
     cols = {k: np.concatenate([t.cols[k] for t in tables]) for k in keys}
+    if any("source" in t.cols for t in tables):  # a table without one: source unknown
+        cols["source"] = np.concatenate([row_sources(t) for t in tables])
     device = np.concatenate([mp[t.device] for mp, t in zip(maps, tables)])
     return Table(cols, devices, device)
 

@@ -28,7 +28,7 @@ from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.modelfile import check_archive
 from gemmd.records import DeviceInfo, Prediction
 from gemmd.state import State
-from gemmd.store import Store
+from gemmd.store import DAEMON_SOURCE, Store
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ def training_table(store: Store, sources: Sequence[str] = ("daemon",),
     for c in TARGET_COLUMNS:
         out[c] = cols[c]
     out["ts"] = cols["ts"]
+    out["source"] = np.array([v or "" for v in cols["source"]], dtype=object)
     return Table(out, devices, device), total
 
 
@@ -184,7 +185,9 @@ class ModelRegistry:
                 ) -> tuple[list[Prediction], str]:
         with self._lock:
             model = self.current
-        return model.predict(specs, infos), model.version
+        # the daemon's own probes: a model that knows a GPU model only through an
+        # imported source's timings does not call them in its domain
+        return model.predict(specs, infos, DAEMON_SOURCE), model.version
 
     # ------------------------------------------------------------- refitting
     def refit(self, sources: Sequence[str] = ("daemon",), force: bool = False,

@@ -316,7 +316,7 @@ def test_export_then_import_elsewhere(capsys, env, tmp_path):
     rc, text, _ = run(capsys, "import", str(out), "--name", "fleet", *other)
     assert rc == 0 and "imported 90 rows (runtime 90, power 90) on NVIDIA GeForce RTX 4070" \
         in text
-    assert "ignored columns host, source, kind, device_uuid, gpu_key" in text
+    assert "ignored columns host, kind, device_uuid, gpu_key" in text
     rc, _, err = run(capsys, "export", "--source", "nothing", *sd)
     assert rc == 1 and "holds no results of source nothing" in err
     rc, _, err = run(capsys, "export", "--source", "lab", "--out", str(tmp / "x.parquet"), *sd)

@@ -293,6 +293,9 @@ def test_training_table_is_the_rows_path_read_column_wise(store, sources):
     assert len(t) == len(rows) and table_hash(t) == table_hash(ref)
     assert [d.uuid for d in t.devices] == [d.uuid for d in ref.devices]
     assert sorted(t.cols) == sorted(ref.cols)
+    # each row's source (the model's domain tells them apart: features.row_sources)
+    assert t["source"].tolist() == [r["source"] for r in rows]
+    assert set(t["source"]) == set(sources)
 
 
 def test_training_cap_keeps_every_configuration_and_the_newest_repeats(store):

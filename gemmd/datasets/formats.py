@@ -7,6 +7,8 @@ import csv
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from gemmd.datasets.generic import load_csv
 from gemmd.datasets.reader import Dataset, _open_text
 from gemmd.datasets.sources import load_b200, load_gpperf_cutlass, load_gpperf_tiled, load_xla
@@ -21,6 +23,11 @@ FORMATS: dict[str, Loader] = {
     "gpperf-cutlass": load_gpperf_cutlass, "gpperf-tiled": load_gpperf_tiled,
     "b200": load_b200, "xla": load_xla, "csv": load_csv,
 }
+# The source (features.row_sources) of each format's rows: where the measurements came
+# from, one name per project (GPPerf's two files are one paper's runs). A generic CSV's
+# rows take its "source" column, else none ('').
+FORMAT_SOURCE = {"gpperf-cutlass": "gpperf", "gpperf-tiled": "gpperf", "b200": "apex_plus",
+                 "xla": "xla"}
 # A header that identifies each format (checked in this order by "auto").
 _SIGNATURES = (
     ("gpperf-cutlass", {"cta_m", "runtime_ms", "power_W"}),
@@ -55,7 +62,11 @@ def load(fmt: str, paths: Sequence[str | Path], gpu: str | None = None,
         name = detect_format(p) if fmt == "auto" else fmt
         if name not in FORMATS:
             raise InputError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-        parts.append(FORMATS[name](p, gpu=gpu, catalog=catalog))
+        part = FORMATS[name](p, gpu=gpu, catalog=catalog)
+        if "source" not in part.table.cols and name in FORMAT_SOURCE:
+            part.table.cols["source"] = np.full(len(part.table), FORMAT_SOURCE[name],
+                                                dtype=object)
+        parts.append(part)
     if len(parts) == 1:
         return parts[0]
     names = sorted({d.name for d in parts})

@@ -62,7 +62,7 @@ COLUMN_ALIASES = {"gpu": ("gpu", "gpu_name", "gpu_model", "device_name", "gpu_ke
                   "batch": ("batch", "batch_size", "batch_count"),
                   "timestamp": ("timestamp", "ts", "unix_time")}
 CSV_OPTIONAL = ("gpu", "batch", "kernel", "tile", "layout", "cta_m", "cta_n", "cta_k",
-                "stages", "alpha", "beta", "out_dtype", "timestamp")
+                "stages", "alpha", "beta", "out_dtype", "timestamp", "source")
 # Columns that describe the GPU itself (a GPU the catalogue lacks, or one run differently).
 GPU_COLUMNS = {**{f"peak_{d}_tflops": ("peak", d) for d in DTYPES},
                "mem_bandwidth_gbs": ("bandwidth_gbs", None), "bandwidth_gbs":
@@ -205,6 +205,8 @@ def load_csv(path: str | Path, gpu: str | None = None,
             cols[c] = np.where(np.isfinite(x), x, d)
     if f.has("timestamp"):
         cols["ts"] = f.floats("timestamp", optional=True, lo=0)
+    if f.has("source"):  # gemmd export's: "daemon" for its own probes
+        cols["source"] = np.array([v.strip() for v in f.text("source")], dtype=object)
     seen: dict[str, str] = {}
     for si, (c, factor) in targets.items():
         seen[si] = c

@@ -67,7 +67,6 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
     sizes = _log2_sizes(t)
     out: dict[str, DeviceCalibration] = {}
     dom = prior.meta.get("domain_targets") or {}
-    del flags
     shape_ids = shape_hashes(t)
     for j, info in enumerate(t.devices):
         sel = t.device == j
@@ -81,7 +80,10 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             rec = dom.get(target, prior.meta.get("domain")) or {}
             known_pairs = set(rec.get("gpus", {}).get(key, {}).get("pairs", []))
             known_kernels = set(rec.get("kernels", []))
-            unknown = key not in rec.get("gpus", {})
+            # a GPU model the prior never saw, or saw only through another source's
+            # measurements (domain_flags)
+            unknown = bool(flags[target]["gpu"][sel].any()) if target in flags else \
+                key not in rec.get("gpus", {})
             r = np.log(t[COLUMN[target]][sel]) - mu[sel]
             ok = np.isfinite(r)
             if not ok.any():

@@ -79,11 +79,13 @@ def _log2_sizes(t: Table) -> np.ndarray:
 
 def domain_record(t: Table) -> dict[str, Any]:
     """What the model was trained on: per GPU model (hardware.gpu_model_key: eight H100s
-    are one), its dtypes, kernels, (dtype, kernel) pairs and size ranges (log2 of M, N, K
-    and FLOPs); and the same over all GPUs."""
+    are one), its dtypes, kernels, (dtype, kernel) pairs, size ranges (log2 of M, N, K
+    and FLOPs) and the sources its rows came from (features.row_sources, where known);
+    and the same over all GPUs."""
     keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)
     rowkey = keys[t.device] if len(t) else np.zeros(0, dtype=object)
     sizes = _log2_sizes(t)
+    src = features.row_sources(t)
 
     def rng(sel: np.ndarray) -> list[list[float]]:
         return [[float(sizes[sel, j].min()), float(sizes[sel, j].max())]
@@ -98,6 +100,9 @@ def domain_record(t: Table) -> dict[str, Any]:
                      "pairs": sorted({f"{d}/{k}" for d, k in zip(t["dtype"][sel],
                                                                    t["kernel"][sel])}),
                      "size": rng(sel)}
+        sources = sorted({x for x in src[sel].tolist() if x})
+        if sources:
+            gpus[key]["sources"] = sources
     everything = np.ones(len(t), dtype=bool)
     return {"gpus": gpus, "dtypes": sorted(set(t["dtype"].tolist())),
             "kernels": sorted(set(t["kernel"].tolist())),
@@ -111,7 +116,16 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     _SIZES it lies farthest beyond; "size_by": per dimension, n x 4), "in_domain" and
     "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
     calibration has seen on a device. A model without a record (older files) is taken
-    to know everything."""
+    to know everything.
+
+    A row of a known GPU model from a source (features.row_sources) none of its training
+    rows came from is taken as of a GPU model the model never saw ("gpu"): sources time
+    GEMMs their own way. gemmd's own bf16 probes of an H100 took 0.51x XLA's table's
+    times below 1 GFLOP (2.5 us where the table has 5 us) and 1.08x above 17 GFLOP
+    (up to 1.17x; its 0.5 s windows run at the power cap); a prior that trusted the
+    table's level there covered 41% of the rows it called in its domain at the nominal
+    90% (bench/RESULTS.md, 2026-11-27). A row or a training set with no source known is
+    not judged so."""
     n = len(t)
     out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
                            "kernel": np.zeros(n, bool), "size": np.zeros(n),
@@ -124,7 +138,9 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     sizes = _log2_sizes(t)
     dts, dti = np.unique(t["dtype"].astype(str), return_inverse=True)
     kns, kni = np.unique(t["kernel"].astype(str), return_inverse=True)
-    code = (t.device * len(dts) + dti.ravel()) * len(kns) + kni.ravel()
+    srcs, sri = np.unique(features.row_sources(t).astype(str), return_inverse=True)
+    code = ((t.device * len(dts) + dti.ravel()) * len(kns) + kni.ravel()) * len(srcs) + \
+        sri.ravel()
     for c in np.unique(code):
         sel = code == c
         i0 = int(np.flatnonzero(sel)[0])
@@ -133,9 +149,15 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
         known = gpus.get(key)
         more = (extra or {}).get(key, {})
         parts = []
+        source, trained = srcs[sri.ravel()[i0]], (known or {}).get("sources") or []
+        if known is not None and not more and source and trained and source not in trained:
+            known = None  # another way of measuring: as a GPU model never trained on
+            parts.append(f"no {source} data on {t.devices[int(dev)].name} (only "
+                         f"{', '.join(trained)})")
+        elif known is None and not more:
+            parts.append(f"no data on {t.devices[int(dev)].name}")
         if known is None and not more:
             out["gpu"][sel] = True
-            parts.append(f"no data on {t.devices[int(dev)].name}")
         kernels = set(rec.get("kernels", [])) | set(more.get("kernels", []))
         if kernel not in kernels:
             out["kernel"][sel] = True

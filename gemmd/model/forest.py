@@ -219,11 +219,14 @@ class ForestModel:
         return cls(forests, sigma, z, meta)
 
     # ------------------------------------------------------------- predicting
-    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
-                ) -> list[Prediction]:
+    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo],
+                source: str = "") -> list[Prediction]:
+        """``source``: whose measurements these are (Table.from_specs; the daemon's
+        "daemon"): a GPU model trained on only through another source's is not in the
+        domain (domain_flags)."""
         if not specs:
             return []
-        out = self.predict_table(Table.from_specs(specs, infos))
+        out = self.predict_table(Table.from_specs(specs, infos, source))
         return to_predictions(out, len(specs))
 
     def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:

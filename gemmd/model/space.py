@@ -40,8 +40,8 @@ class RooflinePredictor:
         self.interval_factor = interval_factor
         self.meta: dict[str, Any] = {"n_samples": 0, "scores": {}, "created": None}
 
-    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
-                ) -> list[Prediction]:
+    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo],
+                source: str = "") -> list[Prediction]:
         t_ = Table.from_specs(specs, infos)
         roof = features.roofline(t_)
         floor = bounds.runtime_floor(t_)

@@ -307,11 +307,12 @@ class TransferModel:
         return out, picked
 
     # ------------------------------------------------------------- predicting
-    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo]
-                ) -> list[Prediction]:
+    def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo],
+                source: str = "") -> list[Prediction]:
         if not specs:
             return []
-        return to_predictions(self.predict_table(Table.from_specs(specs, infos)), len(specs))
+        return to_predictions(self.predict_table(Table.from_specs(specs, infos, source)),
+                              len(specs))
 
     def calibration_of(self, info: DeviceInfo) -> DeviceCalibration | None:
         """The device's calibration; else that of a calibrated card of the same model."""

@@ -134,7 +134,7 @@ EVENT_KINDS = ("alarm", "clear", "rebaseline", "model", "refit_rejected")
 
 # What a model fit reads from a probe row (no context, no prediction columns), and the
 # configuration that makes two rows repeats of one another (features.CONFIG_KEYS + device).
-TRAINING_TEXT = ("device_uuid", "dtype", "kernel", "layout", "out_dtype")
+TRAINING_TEXT = ("device_uuid", "dtype", "kernel", "layout", "out_dtype", "source")
 TRAINING_NUMERIC = ("ts", "m", "n", "k", "tile", "batch", "cta_m", "cta_n", "cta_k", "stages",
                     "alpha", "beta", "runtime_s", "power_w", "energy_j")
 TRAINING_GROUP = ("device_uuid", "m", "n", "k", "dtype", "kernel", "tile", "layout", "batch",
