@@ -18,7 +18,8 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
   at the catalogued peaks (none allowed); beside it the roofline estimate
   (model.roofline_efficiency) and gemmd's forest on the GPU's own data, unseen shapes;
   ``--holdout FILE``: also a GPU outside the shared data (e.g. bench/gpu_sweep.sh's
-  sweep.csv), judged from the prior of all four.
+  sweep.csv), judged from the prior of all four; a file of a shared GPU model (gemmd's
+  own probes of an H100) also from the prior of the other three.
 
     python bench/transfer.py [--data ../shared/data] [--probes 0,5,20,50,200] [--seeds 3]
                              [--trees 50] [--pairs] [--caps rtx4070=2000,...]
@@ -198,10 +199,15 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
     draws. Beside it the roofline estimate on the same rows and gemmd's forest fitted on
     the GPU's own data, judged on unseen shapes (evaluate's shape split). ``holdout``: GPUs
     outside the shared data (--holdout), never in a prior, judged the same way from the
-    prior of all of ``G``."""
+    prior of all of ``G``; one of a shared GPU model (gemmd's own probes of an H100, say)
+    also from the prior of the other shared GPUs: leave one GPU out, on that file's
+    measurement protocol."""
     out: dict = {"full": {}, "roofline": {}, "pairs": [], "shared": list(G)}
     # a file of a shared GPU model is judged under its own name, not in its place
-    holdout = {f"{g} (--holdout)" if g in G else g: t for g, t in (holdout or {}).items()}
+    base = {f"{g} (--holdout)" if g.split("/")[0] in G else g: g.split("/")[0]
+            for g in (holdout or {})}
+    holdout = {f"{g} (--holdout)" if g.split("/")[0] in G else g: t
+               for g, t in (holdout or {}).items()}
     for g, t in (holdout if holdout_only else {**G, **holdout}).items():
         full = evaluate.evaluate(t, splits=("shape",), baseline=False, cfg=cfg)
         out["full"][g] = full["splits"]["shape"]["gemmd"]["targets"]["runtime"]
@@ -215,6 +221,9 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
         sources.update({g: ([g], [h for h in G if h != g]) for g in G})
     if holdout:
         sources["all"] = (list(G), list(holdout))
+        for g in holdout:
+            if base[g] in G:
+                sources[f"others->{g}"] = ([h for h in G if h != base[g]], [g])
     tmp = tmp or Path(os.environ.get("TMPDIR", "/tmp"))
     for members, targets in sources.values():
         t0 = time.perf_counter()
@@ -331,27 +340,32 @@ def targets_met(tr: dict) -> str:
     and the --holdout files (the prior of all); not the one-GPU priors of --pairs."""
     logo = [p for p in tr["pairs"] if "+" in p["source"] or
             len(tr.get("shared", tr["full"])) == 2]
+    twice = {p["target"] for p in logo if sum(q["target"] == p["target"] for q in logo) > 1}
+
+    def name(p: dict) -> str:  # a --holdout file of a shared GPU model: judged by two priors
+        return f"{p['target']} from {p['source']}" if p["target"] in twice else p["target"]
+
     out = []
     below = [p for p in tr["pairs"] if p["physics"]["predicted_below"] > 0]
     out.append(f"- no prediction faster than physics: {len(tr['pairs']) - len(below)}/"
                f"{len(tr['pairs'])} (source, GPU) cases")
-    a = [(p["target"], p["curve"][0]["mape"], tr["roofline"][p["target"]]["mape"])
+    a = [(name(p), p["curve"][0]["mape"], tr["roofline"][p["target"]]["mape"])
          for p in logo if 0 in p["curve"]]
     out.append("- uncalibrated transfer <= the roofline's error: "
                f"{sum(m <= r * (1 + 1e-9) for _, m, r in a)}/{len(a)} held-out GPUs ("
                + ", ".join(f"{g} {pct(m)} vs {pct(r)}" for g, m, r in a) + ")")
-    b = [(p["target"], p["curve"][20]["mape"], tr["full"][p["target"]]["mape"])
+    b = [(name(p), p["curve"][20]["mape"], tr["full"][p["target"]]["mape"])
          for p in logo if 20 in p["curve"]]
     out.append("- 20 rows <= 10% where all the GPU's own data give <= 5%: " + (", ".join(
         f"{g} {pct(m)} (own data {pct(f)})" for g, m, f in b if f <= 0.05) or
         "no GPU judged here has <= 5%") + "; elsewhere " + ", ".join(
         f"{g} {pct(m)} (own {pct(f)})" for g, m, f in b if f > 0.05))
-    c = [(p["target"], p["curve"][5]["mape"], p["curve"][0]["mape"]) for p in logo
+    c = [(name(p), p["curve"][5]["mape"], p["curve"][0]["mape"]) for p in logo
          if 5 in p["curve"] and 0 in p["curve"]]
     out.append(f"- 5 rows never worse than 0: {sum(m5 <= m0 * (1 + 1e-9) for _, m5, m0 in c)}"
                f"/{len(c)} (" + ", ".join(f"{g} {pct(m5)} vs {pct(m0)}" for g, m5, m0 in c)
                + ")")
-    cov = [(p["target"], n, c["coverage"]) for p in logo for n, c in p["curve"].items()
+    cov = [(name(p), n, c["coverage"]) for p in logo for n, c in p["curve"].items()
            if c.get("coverage") is not None]
     ok = [x for x in cov if 0.85 <= x[2] <= 0.95]
     out.append(f"- coverage 85-95% at every n: {len(ok)}/{len(cov)} (GPU, rows) cases; "

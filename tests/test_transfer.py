@@ -974,3 +974,30 @@ def test_each_format_names_its_source_and_the_store_keeps_the_daemons(tmp_path):
     both = datasets.load("auto", [xla, bare]).table
     assert features.row_sources(both).tolist() == ["xla", ""]
 
+
+def test_the_bench_judges_a_shared_gpus_file_from_both_priors(tmp_path):
+    """bench/transfer.py --holdout with a file of a GPU model the shared data has (gemmd's
+    own probes of an H100): judged from the prior of all (that model known through
+    another source) and from the prior of the others (leave one GPU out), under its own
+    name; the targets' lines say which prior."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_transfer", Path(__file__).resolve().parent.parent / "bench" / "transfer.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    G = {"a100": sourced(rows(A100, 150, 80, 0.8), "xla"),
+         "l40s": sourced(rows(L40S, 150, 81, 0.55), "xla"),
+         "h100-sxm": sourced(rows(H100, 150, 82, 0.6), "xla")}
+    mine = sourced(rows(H100, 120, 83, 0.45), "daemon")
+    res = bench.transfer(G, ModelConfig(min_samples=2, n_estimators=20), [0, 5], 1,
+                         tmp=tmp_path, holdout={"h100-sxm": mine}, holdout_only=True)
+    judged = {(p["source"], p["target"]) for p in res["pairs"]}
+    assert judged == {("a100+l40s+h100-sxm", "h100-sxm (--holdout)"),
+                      ("a100+l40s", "h100-sxm (--holdout)")}
+    assert all(not p["curve"][0]["in_domain"] for p in res["pairs"])  # daemon vs xla
+    text = bench.targets_met(res)
+    assert "h100-sxm (--holdout) from a100+l40s " in text
+    assert "h100-sxm (--holdout) from a100+l40s+h100-sxm " in text
