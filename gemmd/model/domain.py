@@ -122,10 +122,10 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     rows came from is taken as of a GPU model the model never saw ("gpu"): sources time
     GEMMs their own way. gemmd's own bf16 probes of an H100 took 0.51x XLA's table's
     times below 1 GFLOP (2.5 us where the table has 5 us) and 1.08x above 17 GFLOP
-    (up to 1.17x; its 0.5 s windows run at the power cap); a prior that trusted the
-    table's level there covered 41% of the rows it called in its domain at the nominal
-    90% (bench/RESULTS.md, 2026-11-27). A row or a training set with no source known is
-    not judged so."""
+    (up to 1.17x: its 0.5 s windows run at the power cap, which a GEMM alone after
+    idle does not reach); a prior that trusted the table's level there covered 41% of
+    the rows it called in its domain at the nominal 90% (bench/RESULTS.md, 2026-11-27).
+    A row or a training set with no source known is not judged so."""
     n = len(t)
     out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
                            "kernel": np.zeros(n, bool), "size": np.zeros(n),
