@@ -17,6 +17,7 @@ import numpy as np
 
 from gemmd.datasets import Dataset
 from gemmd.errors import InputError
+from gemmd.features import row_sources
 from gemmd.store import Store
 
 DAEMON_SOURCE = "daemon"
@@ -44,6 +45,7 @@ def rows_of(ds: Dataset, source: str, now: float | None = None) -> list[dict[str
     ts = t.cols.get("ts")
     devs = t.devices
     c = t.cols
+    src = row_sources(t)  # whose measurements: kept for the model (store.measured_by)
     out = []
     for i in range(len(t)):
         d = devs[int(t.device[i])]
@@ -60,6 +62,7 @@ def rows_of(ds: Dataset, source: str, now: float | None = None) -> list[dict[str
             "cta_n": _opt_int(c["cta_n"][i]), "cta_k": _opt_int(c["cta_k"][i]),
             "stages": _opt_int(c["stages"][i]), "alpha": float(c["alpha"][i]),
             "beta": float(c["beta"][i]), "out_dtype": str(c["out_dtype"][i]) or None,
+            "context": {"measured_by": str(src[i])} if src[i] else None,
         })
     return out
 

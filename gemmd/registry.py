@@ -28,7 +28,7 @@ from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.modelfile import check_archive
 from gemmd.records import DeviceInfo, Prediction
 from gemmd.state import State
-from gemmd.store import DAEMON_SOURCE, Store
+from gemmd.store import DAEMON_SOURCE, Store, measured_by
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def training_data(store: Store, sources: Sequence[str] = ("daemon",)
                   ) -> tuple[list[dict[str, Any]], list[DeviceInfo]]:
     """Good probes (not flagged as drifting) whose device is known, oldest first."""
     infos = device_infos(store)
-    rows = [r for r in reversed(store.probes(sources=sources)) if r["device_uuid"] in infos]
+    rows = [{**r, "source": measured_by(r)} for r in reversed(store.probes(sources=sources))
+            if r["device_uuid"] in infos]
     return rows, [infos[r["device_uuid"]] for r in rows]
 
 
@@ -100,7 +101,7 @@ def training_table(store: Store, sources: Sequence[str] = ("daemon",),
     for c in TARGET_COLUMNS:
         out[c] = cols[c]
     out["ts"] = cols["ts"]
-    out["source"] = np.array([v or "" for v in cols["source"]], dtype=object)
+    out["source"] = np.array([v or "" for v in cols["measured_by"]], dtype=object)
     return Table(out, devices, device), total
 
 

@@ -4,6 +4,7 @@ test_store.py."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import logging
@@ -34,6 +35,7 @@ from gemmd.registry import ModelRegistry, training_data, training_table
 from gemmd.rounds import DeviceRunner
 from gemmd.state import State
 from gemmd.store import Store
+from gemmd.store.schema import MEASURED_BY_SQL
 
 CUTLASS = """\
 timestamp,M,N,K,kernel,layout,cta_m,cta_n,cta_k,stages,epilogue,alpha,beta,runtime_ms,power_W
@@ -293,9 +295,45 @@ def test_training_table_is_the_rows_path_read_column_wise(store, sources):
     assert len(t) == len(rows) and table_hash(t) == table_hash(ref)
     assert [d.uuid for d in t.devices] == [d.uuid for d in ref.devices]
     assert sorted(t.cols) == sorted(ref.cols)
-    # each row's source (the model's domain tells them apart: features.row_sources)
+    # whose measurement each row is (the model's domain tells them apart:
+    # features.row_sources): the daemon's own, the imported CUTLASS file's format's
     assert t["source"].tolist() == [r["source"] for r in rows]
-    assert set(t["source"]) == set(sources)
+    assert set(t["source"]) == {"daemon" if s == "daemon" else "gpperf" for s in sources}
+
+
+def test_an_export_imported_elsewhere_is_still_the_daemons_measurement(store, tmp_path):
+    """The fleet's way (docs/model.md): host A's probes exported, imported on host B under
+    a name, fitted: the rows are still "daemon" measurements to the model, so host B's
+    daemon predictions of that GPU model are in its domain; an imported file's own source
+    (the CUTLASS file's format's) survives its export and a second import."""
+    from gemmd.cli.data import export_rows
+
+    d = FakeDevice(0, FakeDeviceConfig(model="H100-SXM"))
+    store.upsert_device(d.info.uuid, 0, d.info.name, "fake", dataclasses.asdict(d.info))
+    store.insert_probes([
+        {"ts": 1000.0 + i, "source": "daemon", "kind": "sentinel", "device_uuid": d.info.uuid,
+         "device_index": 0, "device_name": d.info.name, "backend": "fake", "m": s, "n": s,
+         "k": s, "dtype": "bf16", "kernel": "blas", "tile": 0, "layout": "nn",
+         "outcome": "ok", "runtime_s": 2e-12 * s**3, "power_w": 500.0,
+         "energy_j": 500.0 * 2e-12 * s**3, "flagged": False, "context": {"x": 1}}
+        for i, s in enumerate((1024, 2048, 4096) * 3)])
+    importer.import_dataset(store, _cutlass_ds(), "imp")
+    out = tmp_path / "a.csv"
+    for src, name in ((["daemon"], "host1"), (["imp"], "again")):
+        header, rows = export_rows(store, src)
+        with out.open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(header)
+            w.writerows(rows)
+        other = Store(tmp_path / f"{name}.db")
+        try:
+            importer.import_dataset(other, datasets.load("auto", [out]), name)
+            t, _ = training_table(other, [name], max_rows=None)
+            r, _ = training_data(other, [name])
+        finally:
+            other.close()
+        want = "daemon" if name == "host1" else "gpperf"
+        assert set(t["source"]) == {want} and {x["source"] for x in r} == {want}
 
 
 def test_training_cap_keeps_every_configuration_and_the_newest_repeats(store):
@@ -338,6 +376,8 @@ def test_refit_reads_only_the_fits_columns_and_at_most_the_cap(tmp_path, monkeyp
         assert reg.refit().outcome == "accepted"
         assert reg.current.meta["n_samples"] <= 150
         reads = [s for s in statements if "FROM probes" in s]
+        # the context is read only for an import's measured_by (none here), never returned
+        reads = [s.replace(MEASURED_BY_SQL, "measured_by") for s in reads]
         assert reads and not [s for s in reads if "SELECT *" in s or "context" in s], reads
     finally:
         store.close()

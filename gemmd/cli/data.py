@@ -68,6 +68,7 @@ def export_rows(store: Store, sources: list[str] | None, include_flagged: bool =
 
     from gemmd.hardware import gpu_model_key
     from gemmd.registry import device_infos
+    from gemmd.store import measured_by
 
     infos = device_infos(store)
     host = host or socket.gethostname()
@@ -80,7 +81,9 @@ def export_rows(store: Store, sources: list[str] | None, include_flagged: bool =
     out = []
     for r in reversed(store.probes(sources=sources, include_flagged=include_flagged)):
         dev = infos.get(r["device_uuid"])
-        rec = {**r, "host": host, "timestamp": _g(r["ts"]), "gpu": r.get("device_name") or
+        # whose measurement (an import's file said; store.measured_by), else the store's name
+        rec = {**r, "source": measured_by(r) or r["source"],
+               "host": host, "timestamp": _g(r["ts"]), "gpu": r.get("device_name") or
                (dev.name if dev else ""), "gpu_key": gpu_model_key(dev) if dev else ""}
         row = []
         for c in EXPORT_COLUMNS:

@@ -8,7 +8,13 @@ logged per episode), ``queries`` (the reads, and the :class:`Store` they complet
 
 from gemmd.store.lock import InstanceLock
 from gemmd.store.queries import Store, events_sql, sentinels_sql
-from gemmd.store.schema import DAEMON_SOURCE, INTERVAL_COLUMNS, REQUIRED_COLUMNS, SCHEMA_VERSION
+from gemmd.store.schema import (
+    DAEMON_SOURCE,
+    INTERVAL_COLUMNS,
+    REQUIRED_COLUMNS,
+    SCHEMA_VERSION,
+    measured_by,
+)
 
 __all__ = ["DAEMON_SOURCE", "INTERVAL_COLUMNS", "REQUIRED_COLUMNS", "SCHEMA_VERSION",
-           "InstanceLock", "Store", "events_sql", "sentinels_sql"]
+           "InstanceLock", "Store", "events_sql", "measured_by", "sentinels_sql"]

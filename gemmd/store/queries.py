@@ -19,6 +19,7 @@ from gemmd.store.schema import (
     SENTINEL_COLUMNS,
     TRAINING_GROUP,
     TRAINING_NUMERIC,
+    TRAINING_SQL,
     TRAINING_TEXT,
 )
 from gemmd.store.writes import StoreWrites
@@ -67,7 +68,9 @@ class Store(StoreWrites):
         marks = ", ".join("?" for _ in sources)
         where = f"source IN ({marks}) AND outcome = 'ok' AND flagged = 0"
         args = list(sources)
-        cols = ", ".join(TRAINING_TEXT + TRAINING_NUMERIC)
+        names = TRAINING_TEXT + TRAINING_NUMERIC
+        cols = ", ".join(TRAINING_SQL.get(c, c) for c in names)  # from probes
+        plain = ", ".join(names)  # from a query of those
         with self._lock:
             try:
                 total = self._db.execute(f"SELECT COUNT(*) FROM probes WHERE {where}",
@@ -86,9 +89,9 @@ class Store(StoreWrites):
                     ranked = (f"SELECT {cols}, id, ROW_NUMBER() OVER (PARTITION BY {group} "
                               f"ORDER BY id DESC) AS rn FROM probes WHERE {where}")
                     if q >= 1:
-                        sql = f"SELECT {cols} FROM ({ranked}) WHERE rn <= {q} ORDER BY ts, id"
+                        sql = f"SELECT {plain} FROM ({ranked}) WHERE rn <= {q} ORDER BY ts, id"
                     else:  # more configurations than max_rows: the newest ones, once each
-                        sql = (f"SELECT {cols} FROM (SELECT * FROM ({ranked}) WHERE rn = 1 "
+                        sql = (f"SELECT {plain} FROM (SELECT * FROM ({ranked}) WHERE rn = 1 "
                                f"ORDER BY id DESC LIMIT {int(max_rows)}) ORDER BY ts, id")
                 return _read_columns(self._db, sql, args), total
             except sqlite3.Error as e:

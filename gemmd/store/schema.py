@@ -134,8 +134,27 @@ EVENT_KINDS = ("alarm", "clear", "rebaseline", "model", "refit_rejected")
 
 # What a model fit reads from a probe row (no context, no prediction columns), and the
 # configuration that makes two rows repeats of one another (features.CONFIG_KEYS + device).
-TRAINING_TEXT = ("device_uuid", "dtype", "kernel", "layout", "out_dtype", "source")
+TRAINING_TEXT = ("device_uuid", "dtype", "kernel", "layout", "out_dtype", "measured_by")
 TRAINING_NUMERIC = ("ts", "m", "n", "k", "tile", "batch", "cta_m", "cta_n", "cta_k", "stages",
                     "alpha", "beta", "runtime_s", "power_w", "energy_j")
+# Whose measurement a stored row is (features.row_sources), as SQL and in Python
+# (measured_by): the daemon's own probes "daemon"; an import's rows what the imported file
+# said (its source column, else its format's: kept as "measured_by" in the row's
+# context by gemmd.importer), else unknown (''). The store's source of an import is the
+# name it was given (kept apart from the daemon's probes); a gemmd export imported as
+# "host1" was still measured by a daemon.
+MEASURED_BY_SQL = ("CASE WHEN kind != 'import' THEN source WHEN json_valid(context) THEN "
+                   "COALESCE(json_extract(context, '$.measured_by'), '') ELSE '' END")
+TRAINING_SQL = {"measured_by": f"{MEASURED_BY_SQL} AS measured_by"}
+
+
+def measured_by(row: dict) -> str:
+    """MEASURED_BY_SQL of a store row read as a dict (its context decoded)."""
+    if row.get("kind") != "import":
+        return str(row.get("source") or "")
+    ctx = row.get("context")
+    return str(ctx.get("measured_by") or "") if isinstance(ctx, dict) else ""
+
+
 TRAINING_GROUP = ("device_uuid", "m", "n", "k", "dtype", "kernel", "tile", "layout", "batch",
                   "cta_m", "cta_n", "cta_k", "stages", "alpha", "beta", "out_dtype")
