@@ -958,6 +958,49 @@ def test_a_known_gpu_measured_another_way_is_judged_as_a_gpu_never_seen(tmp_path
     assert coverage(cal, mine) >= 0.85
 
 
+def test_whose_measurement_is_judged_only_where_the_data_say(tmp_path):
+    """The edges of judging by source: a model saved before (no sources kept) and a GPU
+    model some of whose training rows name no source judge none; a table of both
+    sources is judged row by row; a calibration on one source's probes covers what they
+    cover, not the other source's dtypes, and a row of that device that names no source
+    is predicted as of its probes' source."""
+    a100 = sourced(rows(A100, 300, 90, 0.8, ("bf16", "tf32")), "xla")
+    h100 = sourced(rows(H100, 300, 91, 0.6, ("bf16", "tf32")), "xla")
+    prior = ForestModel.fit_table(features.concat([a100, h100]), CFG)
+    mine = sourced(rows(H100, 200, 92, 0.45, ("bf16", "tf32")), "daemon")
+    # both sources in one table: each row by its own
+    both = prior.predict_table(features.concat([h100, mine]))["runtime"]["domain"]
+    assert not any(r.startswith("no ") for r in both[:300])
+    assert all(r.startswith("no daemon data") for r in both[300:])
+    # a model saved before kept no sources: nothing is judged by source
+    old = copy.deepcopy(prior)
+    for rec in [old.meta["domain"], *old.meta["domain_targets"].values()]:
+        for g in rec["gpus"].values():
+            g.pop("sources", None)
+    assert not any(r.startswith("no ") for r in old.predict_table(mine)["runtime"]["domain"])
+    # some of the GPU model's rows name no source: they may be anyone's
+    part = h100.take(np.arange(300))
+    part.cols["source"] = np.where(np.arange(300) < 150, "xla", "").astype(object)
+    blurred = ForestModel.fit_table(features.concat([a100, part]), CFG)
+    assert "sources" not in blurred.meta["domain"]["gpus"]["h100-sxm"]
+    assert blurred.meta["domain"]["gpus"]["a100-sxm-80gb"]["sources"] == ["xla"]
+    assert not any(r.startswith("no ") for r in blurred.predict_table(mine)["runtime"]["domain"])
+    # calibrated on daemon bf16 probes: bf16 in the domain, tf32 not (the table's tf32
+    # is not the daemon's), and its offset not held as one the prior knows there
+    probes = sourced(rows(H100, 25, 93, 0.45, ("bf16",)), "daemon")
+    cal = calibrate(prior, probes)[H100.uuid]
+    assert cal.source == "daemon" and "tf32/blas" not in cal.group_sd["runtime"]
+    tm = TransferModel.fit(prior, probes, CFG, select=False)
+    res = tm.predict_table(mine)["runtime"]
+    bf = mine["dtype"] == "bf16"
+    assert res["in_domain"][bf].mean() > 0.9
+    assert all(r.startswith("no tf32 blas data on this GPU") for r in res["domain"][~bf])
+    # the same rows naming no source: predicted as the probes' (daemon's)
+    bare = Table({k: v for k, v in mine.cols.items() if k != "source"}, mine.devices,
+                 mine.device)
+    same = tm.predict_table(bare)["runtime"]
+    assert np.allclose(same["point"], res["point"]) and np.allclose(same["hi"], res["hi"])
+
 def test_each_format_names_its_source_and_the_store_keeps_the_daemons(tmp_path):
     """features.row_sources: an XLA table "xla", a generic CSV its "source" column (a
     gemmd export: "daemon"), else unknown; the daemon's training table "daemon"."""
@@ -969,6 +1012,8 @@ def test_each_format_names_its_source_and_the_store_keeps_the_daemons(tmp_path):
     gen.write_text("gpu,m,n,k,dtype,runtime_s,source\nh100-sxm,256,256,256,bf16,3e-6,daemon\n"
                    "h100-sxm,512,256,256,bf16,4e-6,\n")
     assert features.row_sources(datasets.load("auto", [gen]).table).tolist() == ["daemon", ""]
+    assert features.row_sources(Table.from_rows(
+        [{"m": 1, "n": 1, "k": 1, "source": None}], [H100])).tolist() == [""]
     bare = tmp_path / "bare.csv"
     bare.write_text("gpu,m,n,k,dtype,runtime_s\nh100-sxm,256,256,256,bf16,3e-6\n")
     both = datasets.load("auto", [xla, bare]).table

@@ -5,12 +5,12 @@ fit-time validation measured; and the calibrated prior's log prediction."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from gemmd.features import Table
+from gemmd.features import Table, row_sources
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import _log2_sizes
@@ -75,6 +75,8 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
         key = gpu_model_key(info)
         cal = DeviceCalibration(info.uuid, key, int(sel.sum()), {}, {}, {}, {}, {}, {}, {},
                                 {})
+        said = set(row_sources(t)[sel].tolist())
+        cal.source = said.pop() if len(said) == 1 else ""
         g_all = groups[sel]
         for target, (mu, sd_in) in logs.items():
             rec = dom.get(target, prior.meta.get("domain")) or {}
@@ -82,8 +84,9 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             known_kernels = set(rec.get("kernels", []))
             # a GPU model the prior never saw, or saw only through another source's
             # measurements (domain_flags)
-            unknown = bool(flags[target]["gpu"][sel].any()) if target in flags else \
-                key not in rec.get("gpus", {})
+            unknown = bool(flags[target]["gpu"][sel].any())
+            if unknown:  # nothing the prior has of this GPU model counts as its own
+                known_pairs = set()
             r = np.log(t[COLUMN[target]][sel]) - mu[sel]
             ok = np.isfinite(r)
             if not ok.any():
@@ -167,3 +170,17 @@ def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], 
                         else 0.0 for d, g in zip(t.device, groups)])
         out[target] = mu + off
     return out
+
+
+def with_probe_sources(t: Table, cals: Sequence[DeviceCalibration | None]) -> Table:
+    """``t`` with a calibrated device's rows that name no source taken as of its probes'
+    source (DeviceCalibration.source): its offsets were measured against the prior's
+    prediction for that source (domain_flags), and hold only there."""
+    src = row_sources(t)
+    fill = np.array([c.source if c is not None else "" for c in cals] or [""],
+                    dtype=object)[t.device]
+    need = (src == "") & (fill != "")
+    if not need.any():
+        return t
+    return Table({**t.cols, "source": np.where(need, fill, src).astype(object)}, t.devices,
+                 t.device)

@@ -100,9 +100,10 @@ def domain_record(t: Table) -> dict[str, Any]:
                      "pairs": sorted({f"{d}/{k}" for d, k in zip(t["dtype"][sel],
                                                                    t["kernel"][sel])}),
                      "size": rng(sel)}
-        sources = sorted({x for x in src[sel].tolist() if x})
-        if sources:
-            gpus[key]["sources"] = sources
+        # judged by source only where every row of the GPU model says whose it is: rows
+        # of no known source may be any source's
+        if len(src[sel]) and all(src[sel]):
+            gpus[key]["sources"] = sorted(set(src[sel].tolist()))
     everything = np.ones(len(t), dtype=bool)
     return {"gpus": gpus, "dtypes": sorted(set(t["dtype"].tolist())),
             "kernels": sorted(set(t["kernel"].tolist())),
@@ -150,10 +151,13 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
         more = (extra or {}).get(key, {})
         parts = []
         source, trained = srcs[sri.ravel()[i0]], (known or {}).get("sources") or []
-        if known is not None and not more and source and trained and source not in trained:
-            known = None  # another way of measuring: as a GPU model never trained on
-            parts.append(f"no {source} data on {t.devices[int(dev)].name} (only "
-                         f"{', '.join(trained)})")
+        if known is not None and source and trained and source not in trained:
+            # another way of measuring: as a GPU model never trained on (with a
+            # calibration, what its probes cover; not the other source's dtypes or sizes)
+            known = None
+            if not more:
+                parts.append(f"no {source} data on {t.devices[int(dev)].name} (only "
+                             f"{', '.join(trained)})")
         elif known is None and not more:
             parts.append(f"no data on {t.devices[int(dev)].name}")
         if known is None and not more:

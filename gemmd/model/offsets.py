@@ -98,6 +98,9 @@ class DeviceCalibration:
     # leave-one-GPU-out's simulated calibrations found to hold the nominal share
     # (interval_scale; not on a kernel the prior never saw, which they did not judge)
     scale: dict[str, float] = field(default_factory=dict)
+    # whose measurements the probes were (features.row_sources), where all say the same:
+    # what a prediction for this device that names no source is taken to be about
+    source: str = ""
 
     def offset(self, target: str, group: str) -> float:
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)

@@ -19,7 +19,7 @@ from gemmd.errors import ModelError
 from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.hardware import gpu_model_key
-from gemmd.model.calibration import _calibrated_logs, calibrate
+from gemmd.model.calibration import _calibrated_logs, calibrate, with_probe_sources
 from gemmd.model.domain import (
     MIN_SD,
     domain_flags,
@@ -325,8 +325,9 @@ class TransferModel:
     def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:
         if not len(t):
             return {}
-        logs, flags0 = self.prior.prior_logs(t)
         cals = [self.calibration_of(d) for d in t.devices]
+        t = with_probe_sources(t, cals)
+        logs, flags0 = self.prior.prior_logs(t)
         extra: dict[str, dict[str, Any]] = {}
         for cal_ in cals:
             if cal_ is not None:
