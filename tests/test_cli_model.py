@@ -497,3 +497,35 @@ def test_evaluate_a_fitted_model_without_refitting(capsys, env, tmp_path):
         rc, _, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
                          "--calibrate-rows", text, *sd)
         assert rc == 2 and gist in err and err.count("\n") == 1, (text, err)
+
+
+def test_predict_and_advise_say_whose_measurement_they_predict(capsys, tmp_path):
+    """--source daemon: a model that knows the H100 only through XLA's table (whose timings
+    are not gemmd's probes': bench/RESULTS.md, 2026-11-27) says so, in predict and advise
+    alike; without it, the table's own domain; a bad name is one line, exit 2."""
+    f = tmp_path / "xla.csv"
+    lines = ["gpu_key,b,m,n,k,dtype,flops_per_s,runtime_us_derived"]
+    for m in (256, 512, 1024, 2048, 4096):
+        for n in (256, 1024, 4096):
+            for k in (256, 1024, 4096):
+                flops = 2 * m * n * k
+                us = 5.0 + flops / 6e14 * 1e6
+                lines.append(f"sm_90,1,{m},{n},{k},bf16xbf16->bf16,{flops / us * 1e6:.6g},{us}")
+    f.write_text("\n".join(lines) + "\n")
+    sd = ["--state-dir", str(tmp_path / "state")]
+    model = tmp_path / "xla.skops"
+    assert run(capsys, "fit", str(f), "--out", str(model), *sd)[0] == 0
+    gemm = ["1024", "1024", "1024", "--model", str(model), "--gpu", "h100-sxm", *sd]
+    rc, out, _ = run(capsys, "predict", *gemm, "--dtype", "bf16", "--json")
+    assert rc == 0 and json.loads(out)["in_domain"] is True
+    rc, out, _ = run(capsys, "predict", *gemm, "--dtype", "bf16", "--source", "daemon",
+                     "--json")
+    res = json.loads(out)
+    assert rc == 0 and res["in_domain"] is False
+    assert res["runtime_s"]["domain"] == "no daemon data on NVIDIA H100 80GB HBM3 (only xla)"
+    rc, out, _ = run(capsys, "advise", *gemm, "--source", "daemon")
+    assert rc == 0 and "no daemon data on NVIDIA H100 80GB HBM3 (only xla)" in out
+    rc, out, _ = run(capsys, "predict", *gemm, "--dtype", "bf16", "--source", "xla")
+    assert rc == 0 and "outside the training data" not in out
+    rc, _, err = run(capsys, "predict", *gemm, "--dtype", "bf16", "--source", "a b")
+    assert rc == 2 and err.count("\n") == 1 and "--source: 'a b' must be" in err

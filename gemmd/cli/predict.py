@@ -207,6 +207,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     pred = _predictor(args, cfg)
     info = _device(args, pred)
     row = _row(args)
+    if args.source:
+        row["source"] = args.source
     t0 = time.perf_counter()
     res = pred.predict([row], info)
     dt = time.perf_counter() - t0
@@ -307,7 +309,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
     rows = []
     for c in configs:
         r = {k: v for k, v in c.items() if k != "device"}
-        rows.append({**r, "m": args.m, "n": args.n, "k": args.k, "batch": args.batch})
+        rows.append({**r, "m": args.m, "n": args.n, "k": args.k, "batch": args.batch,
+                     **({"source": args.source} if args.source else {})})
     res = pred.predict(rows, info)
     rt = res["runtime"]["point"]
     # in the domain as predict says it: every target, each configuration
@@ -391,7 +394,22 @@ def _gemm_options(p: argparse.ArgumentParser, dtype_required: bool) -> None:
                         "(repeatable)")
     p.add_argument("--device", type=nonempty("--device"),
                    help="a device of the model or the store (uuid prefix or index)")
+    p.add_argument("--source", type=_source_name, metavar="NAME",
+                   help="whose measurement to predict: daemon (gemmd's own probes, which the "
+                        "daemon compares with its predictions) or an imported source's (xla, "
+                        "...): a GPU model the model knows only through other sources' "
+                        "measurements is then out of its domain (default: none in particular)")
     p.add_argument("--json", action="store_true")
+
+
+def _source_name(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit (daemon: gemmd's own probes)")
+    return text
 
 
 def add_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

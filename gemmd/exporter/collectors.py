@@ -260,8 +260,9 @@ class ProbeCollector(_Group):
                 ).add_metric(lv, ps.ts)
             fam("gemmd_probe_prediction_in_domain",
                 "1 if the prediction comes from inside the model's training domain (GPU "
-                "model, dtype/kernel, size range), 0 if the model is extrapolating or has "
-                "no data yet (gemmd predict says why)").add_metric(
+                "model measured as the daemon measures, dtype/kernel, size range), 0 if the "
+                "model is extrapolating or has no data yet (gemmd predict --source daemon "
+                "says why)").add_metric(
                     lv, 1.0 if getattr(p, "in_domain", True) else 0.0)
         yield from fams.values()
 
