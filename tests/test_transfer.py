@@ -1046,3 +1046,24 @@ def test_the_bench_judges_a_shared_gpus_file_from_both_priors(tmp_path):
     text = bench.targets_met(res)
     assert "h100-sxm (--holdout) from a100+l40s " in text
     assert "h100-sxm (--holdout) from a100+l40s+h100-sxm " in text
+
+
+def test_the_fleet_reports_bands_are_the_daemons_intervals(tmp_path):
+    """The fleet report re-computes each stored probe's interval with the model that
+    predicted it: as the daemon asked, for its own probes ("daemon"), so a model that
+    knows the GPU model only through XLA's table gives the band the daemon served."""
+    from gemmd.report.fleet.data import _Bands
+
+    prior = ForestModel.fit_table(features.concat([
+        sourced(rows(A100, 200, 95, 0.8), "xla"), sourced(rows(H100, 200, 96, 0.6), "xla")]),
+        CFG)
+    sha = prior.save(tmp_path / "m.skops")
+    bands = _Bands([{"version": 1, "path": str(tmp_path / "m.skops"),
+                     "meta": {"sha256": sha}}], CFG)
+    spec = ProbeSpec(2048, 2048, 2048, "bf16")
+    lo, hi = bands.ratios("rf-1", spec, H100)["runtime"]
+    (served,) = prior.predict([spec], [H100], "daemon")
+    (unsaid,) = prior.predict([spec], [H100])
+    assert (lo, hi) == pytest.approx((served.runtime_lo / served.runtime_s,
+                                      served.runtime_hi / served.runtime_s))
+    assert hi > 1.2 * unsaid.runtime_hi / unsaid.runtime_s  # not the table's own domain

@@ -16,6 +16,7 @@ from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.records import DeviceInfo
 from gemmd.report import readonly
 from gemmd.report.page import shape_name
+from gemmd.store import DAEMON_SOURCE
 
 PRED = {t: f"pred_{COLUMN[t]}" for t in TARGETS}
 
@@ -140,7 +141,7 @@ class _Bands:
         model = self._predictor(version) if info is not None else None
         if model is not None and info is not None:
             try:
-                (p,) = model.predict([spec], [info])
+                (p,) = model.predict([spec], [info], DAEMON_SOURCE)  # as the daemon did
             except Exception as e:  # a model that cannot predict here: no band, said once
                 self.missing[version] = f"it cannot predict this probe ({type(e).__name__})"
                 p = None
