@@ -204,10 +204,9 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
     measurement protocol."""
     out: dict = {"full": {}, "roofline": {}, "pairs": [], "shared": list(G)}
     # a file of a shared GPU model is judged under its own name, not in its place
-    base = {f"{g} (--holdout)" if g.split("/")[0] in G else g: g.split("/")[0]
-            for g in (holdout or {})}
-    holdout = {f"{g} (--holdout)" if g.split("/")[0] in G else g: t
-               for g, t in (holdout or {}).items()}
+    named = {g: f"{g} (--holdout)" if g.split("/")[0] in G else g for g in holdout or {}}
+    base = {named[g]: g.split("/")[0] for g in named}  # the GPU model of each
+    holdout = {named[g]: t for g, t in (holdout or {}).items()}
     for g, t in (holdout if holdout_only else {**G, **holdout}).items():
         full = evaluate.evaluate(t, splits=("shape",), baseline=False, cfg=cfg)
         out["full"][g] = full["splits"]["shape"]["gemmd"]["targets"]["runtime"]

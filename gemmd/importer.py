@@ -18,19 +18,19 @@ import numpy as np
 from gemmd.datasets import Dataset
 from gemmd.errors import InputError
 from gemmd.features import row_sources
-from gemmd.store import Store
+from gemmd.store import DAEMON_SOURCE, Store
 
-DAEMON_SOURCE = "daemon"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A source's name (an import's --name, predict's --source)
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SOURCE_NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 def check_source_name(name: str) -> str:
     if name == DAEMON_SOURCE:
         raise InputError("source name 'daemon' is reserved for the daemon's own probes; "
                          "give another --name")
-    if not _NAME.fullmatch(name):
-        raise InputError(f"source name {name!r} must be 1-64 letters, digits, '.', '_' or "
-                         "'-', starting with a letter or digit")
+    if not SOURCE_NAME.fullmatch(name):
+        raise InputError(f"source name {name!r} must be {SOURCE_NAME_RULE}")
     return name
 
 

@@ -70,8 +70,9 @@ def training_data(store: Store, sources: Sequence[str] = ("daemon",)
                   ) -> tuple[list[dict[str, Any]], list[DeviceInfo]]:
     """Good probes (not flagged as drifting) whose device is known, oldest first."""
     infos = device_infos(store)
-    rows = [{**r, "source": measured_by(r)} for r in reversed(store.probes(sources=sources))
-            if r["device_uuid"] in infos]
+    rows = [r for r in reversed(store.probes(sources=sources)) if r["device_uuid"] in infos]
+    for r in rows:  # whose measurement, not the store's name of an import
+        r["source"] = measured_by(r)
     return rows, [infos[r["device_uuid"]] for r in rows]
 
 

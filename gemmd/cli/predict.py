@@ -403,12 +403,11 @@ def _gemm_options(p: argparse.ArgumentParser, dtype_required: bool) -> None:
 
 
 def _source_name(text: str) -> str:
-    import re
+    from gemmd.importer import SOURCE_NAME, SOURCE_NAME_RULE
 
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text):
+    if not SOURCE_NAME.fullmatch(text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-            "or digit (daemon: gemmd's own probes)")
+            f"{text!r} must be {SOURCE_NAME_RULE} (daemon: gemmd's own probes)")
     return text
 
 

@@ -194,11 +194,7 @@ def _table(size: int, info: DeviceInfo | Sequence[DeviceInfo],
     for c in TARGET_COLUMNS:
         v = cols.pop(c, math.nan)
         full[c] = np.asarray(v, dtype=np.float64) if np.ndim(v) else np.full(n, float(v))
-    if "source" in cols:  # the measurements' source (features.row_sources)
-        v = cols.pop("source")
-        full["source"] = np.asarray(v, dtype=object) if np.ndim(v) else \
-            np.full(n, v, dtype=object)
-    for c, v in cols.items():  # extra columns (ts, context) travel along
+    for c, v in cols.items():  # extra columns (ts, source, context) travel along
         full[c] = np.asarray(v)
     devices = [info] if isinstance(info, DeviceInfo) else list(info)
     return Table(full, devices, np.zeros(n, dtype=np.int64) if device is None else device)

@@ -177,8 +177,7 @@ def with_probe_sources(t: Table, cals: Sequence[DeviceCalibration | None]) -> Ta
     source (DeviceCalibration.source): its offsets were measured against the prior's
     prediction for that source (domain_flags), and hold only there."""
     src = row_sources(t)
-    fill = np.array([c.source if c is not None else "" for c in cals] or [""],
-                    dtype=object)[t.device]
+    fill = np.array([c.source if c is not None else "" for c in cals], dtype=object)[t.device]
     need = (src == "") & (fill != "")
     if not need.any():
         return t
