@@ -153,10 +153,11 @@ def test_power_after_idle_refuses_bad_gaps_in_one_line(tmp_path, gaps):
     assert not (tmp_path / "power_after_idle.csv").exists()
 
 
-def _sweep(out, budget: str):
+def _sweep(out, budget: str, **more: str):
     env = dict(os.environ, PYTHONPATH=str(ROOT), GEMMD_SWEEP_BACKEND="fake",
                GEMMD_SWEEP_SIZES="256 512", GEMMD_SWEEP_DTYPES="bf16 fp32",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.update(more)
     env.pop("GEMMD_CONFIG", None)
     return subprocess.run(["bash", "bench/gpu_sweep.sh", str(out), budget], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -189,6 +190,28 @@ def test_the_gpu_sweep_exports_every_shape_and_dtype_for_the_transfer_bench(tmp_
     assert p.returncode != 0 and "done in" in p.stdout and "0 rows" in p.stdout
     assert (late / "sweep.log").read_text().count("cut by the budget") == 4
     assert not (late / "sweep.csv").exists()
+
+
+def test_the_random_sweep_draws_seeded_shapes_half_of_them_unaligned(tmp_path):
+    """GEMMD_SWEEP_RANDOM=N: N shapes per dtype between the least and largest size, half
+    rounded to multiples of 64 and half left as drawn (odd sizes, which cuBLAS runs on
+    other kernels), the same shapes for the same seed, every dtype in each chunk of 25."""
+    runs = []
+    for name in ("a", "b"):
+        p = _sweep(tmp_path / name, "300", GEMMD_SWEEP_RANDOM="30", GEMMD_SWEEP_SEED="7",
+                   GEMMD_SWEEP_SIZES="128 4096")
+        assert p.returncode == 0, p.stdout + p.stderr
+        runs.append(list(csv.DictReader((tmp_path / name / "sweep.csv").open())))
+    rows = runs[0]
+    assert len(rows) == 2 * 2 * 30  # devices x dtypes x shapes
+    shapes = {(int(r["m"]), int(r["n"]), int(r["k"])) for r in rows}
+    assert shapes == {(int(r["m"]), int(r["n"]), int(r["k"])) for r in runs[1]}
+    assert all(128 <= d <= 4096 for s in shapes for d in s)
+    aligned = [s for s in shapes if all(d % 64 == 0 for d in s)]
+    assert 10 <= len(aligned) <= 40 and len(shapes) - len(aligned) >= 10
+    log = (tmp_path / "a" / "sweep.log").read_text()
+    assert [x.split(":")[0] for x in log.splitlines() if "-random-" in x and "exit" in x] == [
+        "bf16-random-0", "fp32-random-0", "bf16-random-1", "fp32-random-1"]
 
 
 @pytest.mark.parametrize("content, args, says", [
