@@ -13,7 +13,7 @@ import numpy as np
 from gemmd.features import Table, row_sources
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
-from gemmd.model.domain import _log2_sizes
+from gemmd.model.domain import _least_align, _log2_sizes
 from gemmd.model.forest import ForestModel
 from gemmd.model.offsets import (
     GROUP_SD_KNOWN,
@@ -153,7 +153,9 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 cal.domain[target] = {
                     "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
                     "size": [[float(x[:, i].min()), float(x[:, i].max())]
-                             for i in range(x.shape[1])]}
+                             for i in range(x.shape[1])],
+                    "align": _least_align(t, np.isin(np.arange(len(t)),
+                                                     np.flatnonzero(sel)[ok]))}
         out[info.uuid] = cal
     return out
 

@@ -12,8 +12,9 @@ import numpy as np
 
 from gemmd import features
 from gemmd.features import Table
-from gemmd.gemm import COLUMN
+from gemmd.gemm import COLUMN, DTYPE_BYTES
 from gemmd.hardware import gpu_model_key
+from gemmd.model.space import LAUNCH_S
 from gemmd.records import Prediction
 
 # Sizes within this many factors of 2 of the trained range count as in the domain: none.
@@ -25,6 +26,17 @@ SIZE_MARGIN_LOG2 = 0.0
 _SIZES = ("m", "n", "k", "flops")
 SIZE_MIN_D = 0.5  # a row beyond the trained sizes is widened as if at least this far out
 
+# Alignment in bytes of M, N and K (the least of the three, each its largest power-of-two
+# factor times the element size), counted up to this: tensor-core kernels load 16-byte
+# vectors and need leading dimensions that are multiples of them. A forest trained only
+# on aligned shapes extrapolates flat to unaligned ones: fitted on the H200's
+# 256..8192 grid, gemmd's own bf16 probes at shapes with a dimension not a multiple of 8
+# took 3-4x its prediction (fp16 the same, tf32 2.3x, fp32 1.2x), the rows called in its
+# domain, its 90% intervals holding 20% of them (bench/RESULTS.md, 2026-11-27). A row
+# aligned to fewer bytes than any its GPU and dtype were trained on is outside the domain.
+ALIGN_BYTES = 16
+ALIGN_UPWARD = ("runtime", "energy")  # targets an unaligned GEMM only raises (align_widening)
+
 # No interval narrower than this (log space, about +-0.8% at 90%): repeated GEMMs on a
 # GPU never agree better, whatever a noiseless training set suggests.
 MIN_SD = 0.005
@@ -32,13 +44,19 @@ MIN_SD = 0.005
 # Log-space sd added to a prediction's for each way its GEMM lies outside the training
 # data, per target: "gpu", a GPU model never trained on; "dtype", a dtype never trained
 # on that GPU; "kernel", a kernel never trained on (runtime then comes from the roofline);
-# "size", per factor of 2 beyond the trained range. Measured by leaving out whole GPUs,
+# "size", per factor of 2 beyond the trained range; "align", aligned to fewer bytes than
+# any training row of its GPU and dtype. Measured by leaving out whole GPUs,
 # dtypes and kernels on the shared data (bench/transfer.py --coverage, docs/model.md):
 # these make the nominal interval cover about its share of such predictions there.
+# "align" (align_widening: upward, times the runtime's share beyond a launch) from the
+# B200's fp16 rows with a dimension not a multiple of 8, left out of a prior of the four
+# shared GPUs: 1.05 held 90% of the 618 above 1 GFLOP (1.08 above 10 GFLOP); below, the
+# B200's unaligned rows are degenerate (a dimension of 1-4), and 0.57 held all 3,129.
+# Their power needed none (0.1 kept, as for sizes). docs/model.md.
 OOD_SD: dict[str, dict[str, float]] = {
-    "runtime": {"gpu": 0.5, "dtype": 0.35, "kernel": 1.5, "size": 0.25},
-    "power": {"gpu": 0.45, "dtype": 0.4, "kernel": 0.4, "size": 0.1},
-    "energy": {"gpu": 0.5, "dtype": 0.4, "kernel": 1.5, "size": 0.25},
+    "runtime": {"gpu": 0.5, "dtype": 0.35, "kernel": 1.5, "size": 0.25, "align": 1.05},
+    "power": {"gpu": 0.45, "dtype": 0.4, "kernel": 0.4, "size": 0.1, "align": 0.1},
+    "energy": {"gpu": 0.5, "dtype": 0.4, "kernel": 1.5, "size": 0.25, "align": 1.05},
 }
 
 
@@ -77,11 +95,27 @@ def _log2_sizes(t: Table) -> np.ndarray:
                                 np.log2(features.flops(t))])
 
 
+def align_log2(t: Table) -> np.ndarray:
+    """Per row, log2 of the bytes M, N and K are all aligned to (ALIGN_BYTES at most)."""
+    if not len(t):
+        return np.zeros(0)
+    dims = np.column_stack([t[c] for c in ("m", "n", "k")]).astype(np.int64)
+    low = np.where(dims > 0, dims & -dims, 1).min(axis=1)
+    size = np.array([DTYPE_BYTES.get(str(d), 4) for d in t["dtype"]], dtype=np.int64)
+    return np.log2(np.minimum(low * size, ALIGN_BYTES).astype(np.float64))
+
+
+def _least_align(t: Table, sel: np.ndarray) -> dict[str, float]:
+    """Per dtype among the rows ``sel``: the least alignment (align_log2) trained on."""
+    a, d = align_log2(t)[sel], t["dtype"][sel].astype(str)
+    return {str(x): float(a[d == x].min()) for x in np.unique(d)}
+
+
 def domain_record(t: Table) -> dict[str, Any]:
     """What the model was trained on: per GPU model (hardware.gpu_model_key: eight H100s
     are one), its dtypes, kernels, (dtype, kernel) pairs, size ranges (log2 of M, N, K
-    and FLOPs) and the sources its rows came from (features.row_sources, where known);
-    and the same over all GPUs."""
+    and FLOPs), least alignment per dtype (align_log2) and the sources its rows came from
+    (features.row_sources, where known); and the same over all GPUs."""
     keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)
     rowkey = keys[t.device] if len(t) else np.zeros(0, dtype=object)
     sizes = _log2_sizes(t)
@@ -99,7 +133,7 @@ def domain_record(t: Table) -> dict[str, Any]:
                      "kernels": sorted(set(t["kernel"][sel].tolist())),
                      "pairs": sorted({f"{d}/{k}" for d, k in zip(t["dtype"][sel],
                                                                    t["kernel"][sel])}),
-                     "size": rng(sel)}
+                     "size": rng(sel), "align": _least_align(t, sel)}
         # judged by source only where every row of the GPU model says whose it is: rows
         # of no known source may be any source's
         if len(src[sel]) and all(src[sel]):
@@ -107,14 +141,17 @@ def domain_record(t: Table) -> dict[str, Any]:
     everything = np.ones(len(t), dtype=bool)
     return {"gpus": gpus, "dtypes": sorted(set(t["dtype"].tolist())),
             "kernels": sorted(set(t["kernel"].tolist())),
-            "size": rng(everything) if len(t) else []}
+            "size": rng(everything) if len(t) else [],
+            "align": _least_align(t, everything)}
 
 
 def domain_flags(rec: Mapping[str, Any] | None, t: Table,
                  extra: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Per row, how it lies outside the domain ``rec``: "gpu", "dtype", "kernel" (bool
     arrays), "size" (factors of 2 beyond the trained range, >= 0, in the dimension of
-    _SIZES it lies farthest beyond; "size_by": per dimension, n x 4), "in_domain" and
+    _SIZES it lies farthest beyond; "size_by": per dimension, n x 4), "align" (aligned to
+    fewer bytes than the GPU model's rows of that dtype, or with none, any GPU's),
+    "in_domain" and
     "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
     calibration has seen on a device. A model without a record (older files) is taken
     to know everything.
@@ -130,13 +167,14 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     n = len(t)
     out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
                            "kernel": np.zeros(n, bool), "size": np.zeros(n),
-                           "size_by": np.zeros((n, len(_SIZES))),
+                           "size_by": np.zeros((n, len(_SIZES))), "align": np.zeros(n, bool),
                            "in_domain": np.ones(n, bool), "reason": np.full(n, "", object)}
     if not rec or not n:
         return out
     gpus = rec.get("gpus", {})
     keys = [gpu_model_key(d) for d in t.devices]
     sizes = _log2_sizes(t)
+    aligns = align_log2(t)
     dts, dti = np.unique(t["dtype"].astype(str), return_inverse=True)
     kns, kni = np.unique(t["kernel"].astype(str), return_inverse=True)
     srcs, sri = np.unique(features.row_sources(t).astype(str), return_inverse=True)
@@ -186,13 +224,24 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
             dist = np.maximum(beyond.max(axis=1), 0.0)
             out["size"][sel] = dist
             out["size_by"][sel] = np.maximum(beyond, 0.0)
-        out["reason"][sel] = "; ".join(parts)
+        least = [x[dtype] for x in ((known or {}).get("align"), more.get("align"))
+                 if x and dtype in x]
+        if not least and rec.get("align", {}).get(dtype) is not None:
+            least = [rec["align"][dtype]]
+        if least:  # an older record (no "align") knows every alignment
+            low = sel & (aligns < min(least))
+            out["align"][low] = True
+            for i in np.flatnonzero(low):
+                out["reason"][i] = (f"M, N, K aligned to {2 ** aligns[i]:.0f} B, trained "
+                                    f"on >= {2 ** min(least):.0f} B")
+        out["reason"][sel] = ["; ".join(parts + ([r] if r else []))
+                              for r in out["reason"][sel]]
     far = out["size"] > 0
     for i in np.flatnonzero(far):
         dim = ("M", "N", "K", "FLOPs")[int(np.argmax(out["size_by"][i]))]
         note = f"{dim} {2 ** (out['size'][i] + SIZE_MARGIN_LOG2):.3g}x beyond the trained range"
         out["reason"][i] = f"{out['reason'][i]}; {note}" if out["reason"][i] else note
-    out["in_domain"] = ~(out["gpu"] | out["dtype"] | out["kernel"] | far)
+    out["in_domain"] = ~(out["gpu"] | out["dtype"] | out["kernel"] | out["align"] | far)
     return out
 
 
@@ -217,10 +266,25 @@ def size_widening(tau: Mapping[str, float], flags: Mapping[str, Any], least: boo
     return (per * (_size_d(by) if least else by)).max(axis=1)
 
 
+def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
+                   runtime_log: np.ndarray | None) -> np.ndarray:
+    """Per row, the log-space sd its alignment below the trained adds to the upper end of
+    a runtime's (and energy's) interval alone: a GEMM loses speed unaligned, never gains
+    it (a kernel for unaligned data runs aligned data too), so the trained prediction is
+    its lower end. What slows is the work, not the launch: ``tau``'s "align" times the
+    share of the predicted runtime (``runtime_log``) beyond LAUNCH_S. Other targets: none
+    (widen widens both ends)."""
+    if target not in ALIGN_UPWARD or runtime_log is None or not flags["align"].any():
+        return np.zeros(len(flags["align"]))
+    share = np.clip(1.0 - LAUNCH_S / np.exp(runtime_log), 0.0, 1.0)
+    return np.where(flags["align"], tau.get("align", OOD_SD[target]["align"]) * share, 0.0)
+
+
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
           skip: Sequence[str] = (), tau: Mapping[str, float] | None = None) -> np.ndarray:
     """sd combined with the spread (``tau``, else OOD_SD) of every way a row lies
-    outside the domain (beyond the trained sizes: size_widening)."""
+    outside the domain (beyond the trained sizes: size_widening; below the trained
+    alignment, targets other than ALIGN_UPWARD's: align_widening widens those upward)."""
     tau = tau or OOD_SD.get(target, OOD_SD["runtime"])
     var = sd**2
     for kind in ("gpu", "dtype", "kernel"):
@@ -228,16 +292,20 @@ def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
             var = var + np.where(flags[kind], tau[kind] ** 2, 0.0)
     if "size" not in skip:
         var = var + size_widening(tau, flags) ** 2
+    if "align" not in skip and target not in ALIGN_UPWARD:
+        var = var + np.where(flags["align"], tau.get("align", 0.0) ** 2, 0.0)
     return np.sqrt(var)
 
 
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
-           flags: Mapping[str, Mapping[str, Any]], z: float | np.ndarray
-           ) -> dict[str, dict[str, np.ndarray]]:
+           flags: Mapping[str, Mapping[str, Any]], z: float | np.ndarray,
+           up: Mapping[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
     """predict_table's answer from log points and sds and each target's domain flags
-    (``flags[target]``): z may be one value or per row."""
+    (``flags[target]``): z may be one value or per row; ``up``, per target, a log sd
+    added to the upper end alone (align_widening)."""
+    up = up or {}
     return {target: {"point": np.exp(mu), "lo": np.exp(mu - z * sd),
-                     "hi": np.exp(mu + z * sd), "sigma": sd,
+                     "hi": np.exp(mu + z * np.hypot(sd, up.get(target, 0.0))), "sigma": sd,
                      "in_domain": flags[target]["in_domain"],
                      "domain": flags[target]["reason"]}
             for target, (mu, sd) in logs.items()}

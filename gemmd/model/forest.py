@@ -30,6 +30,7 @@ from gemmd.model.domain import (
     MIN_SD,
     OOD_SD,
     _reference_shapes,
+    align_widening,
     domain_flags,
     domain_record,
     result,
@@ -239,7 +240,9 @@ class ForestModel:
         for target, (mu, sd) in list(logs.items()):
             logs[target] = (mu, widen(target, sd, flags[target], tau=self.ood_sd(target)))
         logs = self._with_energy(logs, t)
-        out = result(logs, {tg: flags.get(tg, flags["runtime"]) for tg in logs}, self.z)
+        per = {tg: flags.get(tg, flags["runtime"]) for tg in logs}
+        out = result(logs, per, self.z, {tg: align_widening(
+            tg, self.ood_sd(tg), per[tg], logs.get("runtime", (None,))[0]) for tg in logs})
         bounds.clip(out, t)
         return out
 

@@ -22,6 +22,7 @@ from gemmd.hardware import gpu_model_key
 from gemmd.model.calibration import _calibrated_logs, calibrate, with_probe_sources
 from gemmd.model.domain import (
     MIN_SD,
+    align_widening,
     domain_flags,
     domain_record,
     result,
@@ -434,7 +435,9 @@ class TransferModel:
         if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
-        res = result(out, {tg: flags.get(tg, flags["runtime"]) for tg in out}, zrow)
+        per = {tg: flags.get(tg, flags["runtime"]) for tg in out}
+        res = result(out, per, zrow, {tg: align_widening(
+            tg, self.prior.ood_sd(tg), per[tg], out.get("runtime", (None,))[0]) for tg in out})
         bounds.clip(res, t)
         return res
 
