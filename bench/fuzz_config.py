@@ -47,7 +47,7 @@ SECTIONS = yaml.safe_load(SHIPPED)
 KEYS = sorted({k for v in SECTIONS.values() if isinstance(v, dict) for k in v} | set(SECTIONS)
               | {"shapes", "dtypes", "kernels", "tiles", "layouts", "backends", "per_round",
                  "every_rounds",
-                 "m", "n", "k", "align", "window_s", "warmup_s", "timeout_s", "model"})
+                 "m", "n", "k", "align", "unaligned", "window_s", "warmup_s", "timeout_s", "model"})
 WORDS = ["fp32", "bf16", "fp8", "blas", "tiled", "nn", "cpu", "fake", "auto", "nvidia", "all",
          "info", "H100-SXM", "0.0.0.0", "::", "[::1]", "", "a\0b", "127.0.0.1\0", "~"]
 INTS = [0, 1, -1, 2**31, 2**63, 10**400, -(10**400), 10**4000]

@@ -65,12 +65,14 @@ def exploration_specs(groups: Sequence[ExplorationConfig], device: Device,
 
 def _explore(cfg: ExplorationConfig, device: Device, rng: np.random.Generator
              ) -> list[ProbeSpec]:
-    """Draw ``per_round`` random supported specs, shapes log-uniform in the configured ranges."""
+    """Draw ``per_round`` random supported specs, shapes log-uniform in the configured
+    ranges, rounded to ``align`` but for the ``unaligned`` share of them."""
     out: list[ProbeSpec] = []
     for _ in range(cfg.per_round * 10):  # bounded retries when many draws are unsupported
         if len(out) >= cfg.per_round:
             break
-        m, n, k = (_draw_dim(rng, lo, hi, cfg.align) for lo, hi in (cfg.m, cfg.n, cfg.k))
+        align = 1 if cfg.unaligned and rng.uniform() < cfg.unaligned else cfg.align
+        m, n, k = (_draw_dim(rng, lo, hi, align) for lo, hi in (cfg.m, cfg.n, cfg.k))
         kernel = str(rng.choice(cfg.kernels))
         spec = ProbeSpec(m, n, k, dtype=str(rng.choice(cfg.dtypes)), kernel=kernel,
                          tile=int(rng.choice(cfg.tiles)) if kernel == "tiled" else 0,

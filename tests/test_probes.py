@@ -1,5 +1,6 @@
 """Probe specs, plans and the measurement protocol (gemmd/probes.py); no real device."""
 
+import dataclasses
 import math
 import threading
 
@@ -187,6 +188,26 @@ def test_exploration_specs_ranges_align_and_groups():
     assert {s.kernel for s in seen} == {"blas", "tiled"}
     # Seeded: the same seed draws the same first round.
     assert exploration_specs(groups, fake(), np.random.default_rng(1234)) == seen[:3]
+
+
+def test_an_unaligned_share_of_exploration_leaves_sizes_as_drawn():
+    """``unaligned``: that share of the draws is not rounded to ``align`` (sizes that are
+    not multiples of 8 run on other kernels, and a model learns them only from probes);
+    0 draws exactly what it drew before the option existed."""
+    g = ExplorationConfig(per_round=400, m=(256, 8192), n=(256, 8192), k=(256, 8192),
+                          align=64, unaligned=0.25, backends=("fake",))
+    specs = exploration_specs([g], fake(), np.random.default_rng(7))
+    rounded = [s for s in specs if s.m % 64 == 0 and s.n % 64 == 0 and s.k % 64 == 0]
+    odd = [s for s in specs if (s.m % 8, s.n % 8, s.k % 8) != (0, 0, 0)]
+    assert len(specs) == 400 and 0.6 <= len(rounded) / 400 <= 0.9
+    assert 0.15 <= len(odd) / 400 <= 0.4
+    assert all(256 <= d <= 8192 for s in specs for d in (s.m, s.n, s.k))
+    none = dataclasses.replace(g, unaligned=0.0)
+    assert exploration_specs([none], fake(), np.random.default_rng(7)) == exploration_specs(
+        [ExplorationConfig(per_round=400, m=(256, 8192), n=(256, 8192), k=(256, 8192),
+                           align=64, backends=("fake",))], fake(), np.random.default_rng(7))
+    assert all(s.m % 64 == 0 for s in exploration_specs([none], fake(),
+                                                          np.random.default_rng(7)))
 
 
 def test_exploration_narrow_range_stays_in_range():

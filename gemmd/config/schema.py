@@ -65,6 +65,10 @@ class ExplorationConfig(_Variants):
     n: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
     k: tuple[int, int] = _f((256, 4096), min=1, max=1 << 20)
     align: int = _f(64, min=1, max=4096)
+    # This share of the draws leaves M, N, K as drawn, not rounded to `align`: cuBLAS runs
+    # sizes that are not multiples of 8 on other kernels (an H200's bf16 3-4x slower), and
+    # a model learns them only from such probes (docs/model.md, "Alignment").
+    unaligned: float = _f(0.0, min=0.0, max=1.0)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,8 @@ DEFAULT_SENTINELS = (
 )
 DEFAULT_EXPLORATION = (
     ExplorationConfig(per_round=1, every_rounds=10, m=(256, 8192), n=(256, 8192),
-                      k=(256, 8192), align=64, dtypes=("bf16", "fp16", "fp32"), backends=_GPU),
+                      k=(256, 8192), align=64, unaligned=0.25, dtypes=("bf16", "fp16", "fp32"),
+                      backends=_GPU),
     ExplorationConfig(per_round=1, m=(128, 1024), n=(128, 1024), k=(128, 1024), align=64,
                       dtypes=("fp32", "fp64"), backends=("cpu",)),
 )
