@@ -7,8 +7,10 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
   90%), before (the trees' spread and the noise, as gemmd had it) and after (interval
   scale from out-of-bag residuals, widening outside the domain), for predictions on the
   model's own GPU (random and unseen-shape splits), on a GPU left out of training, on
-  a dtype/kernel left out of a GPU's training data, and on sizes beyond the training's
-  (the largest ~15% of M, N or K held out, at a distinct size);
+  a dtype/kernel left out of a GPU's training data, on sizes beyond the training's
+  (the largest ~15% of M, N or K held out, at a distinct size) and on shapes aligned
+  below it (a GPU's rows aligned below 16 bytes left out of a prior of all; ``--align``
+  alone: with the upward spread they need, domain.OOD_SD's "align");
 - **transfer** (leave one GPU out): a prior fitted on the other GPUs (``--pairs``: also
   on each other GPU alone), saved, loaded and judged on the left-out GPU by the code of
   ``gemmd evaluate --model FILE --calibrate-rows N --seeds S`` (evaluate.evaluate_model):
@@ -23,7 +25,7 @@ GEMMs, XLA's table for H100, B200 and MI355X), per GPU:
 
     python bench/transfer.py [--data ../shared/data] [--probes 0,5,20,50,200] [--seeds 3]
                              [--trees 50] [--pairs] [--caps rtx4070=2000,...]
-                             [--coverage-only | --transfer-only | --defaults]
+                             [--coverage-only | --transfer-only | --defaults | --align]
                              [--holdout FILE... [--holdout-only] [--holdout-per-dtype]]
                              [--json out.json]
                              [--markdown]
@@ -51,6 +53,9 @@ from gemmd.config import ModelConfig
 from gemmd.errors import GemmdError, InputError
 from gemmd.features import Table, concat
 from gemmd.model import ForestModel
+from gemmd.model.domain import ALIGN_BYTES, align_log2
+from gemmd.model.intervals import conformal_quantile
+from gemmd.model.space import LAUNCH_S
 from gemmd.model.validation import _row_gpu_keys, share_cut
 
 GPUS = ("rtx4070", "b200", "h100-sxm", "mi355x")
@@ -160,6 +165,45 @@ def coverage(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
             model = ForestModel.fit_table(t.take(np.flatnonzero(~sel)), cfg)
             add(f"{dim.upper()} > {cut:,} (trained <=)", g, model, t.take(np.flatnonzero(sel)))
     return rows
+
+
+def unaligned(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
+    """Per shared GPU with rows aligned below ALIGN_BYTES (the B200's fp16 and fp8): a
+    prior of all the GPUs without them, judged on them: coverage, MAPE, and the spread
+    (log, per unit of the runtime's share beyond a launch) the upper end of each row's
+    interval needs to hold it, as domain.align_widening applies it: the conformal
+    quantile at the nominal share over all the rows and over those above 1e6-1e10 FLOPs."""
+    out = []
+    for g, t in G.items():
+        low = align_log2(t) < np.log2(ALIGN_BYTES)
+        if low.sum() < 20 or (~low).sum() < 20:
+            continue
+        rest = [G[h] for h in G if h != g] + [t.take(np.flatnonzero(~low))]
+        model = ForestModel.fit_table(concat(rest), cfg)
+        te = t.take(np.flatnonzero(low))
+        res = model.predict_table(te)["runtime"]
+        y = te["runtime_s"]
+        r = np.log(y) - np.log(res["point"])
+        share = np.clip(1.0 - LAUNCH_S / res["point"], 1e-3, 1.0)
+        need = np.where(r > 0, np.sqrt(np.maximum((r / model.z) ** 2 - res["sigma"] ** 2,
+                                                  0.0)), 0.0) / share
+        f = features.flops(te)
+        rec = {"case": "unaligned left out", "gpu": g, "target": "runtime", "n": int(len(te)),
+               "dtypes": sorted(set(te["dtype"].tolist())),
+               "before": scores(before(model, te), te)["coverage"],
+               "after": float(np.mean((res["lo"] <= y) & (y <= res["hi"]))),
+               "mape": float(np.mean(ape(res["point"], y))),
+               "in_domain": float(np.mean(res["in_domain"])),
+               "need": {f"{lo:.0e}": (int((f >= lo).sum()),
+                                      conformal_quantile(need[f >= lo], cfg.interval))
+                        for lo in (0.0, 1e6, 1e8, 1e9, 1e10) if (f >= lo).sum() >= 20}}
+        out.append(rec)
+        print(f"  unaligned left out {g}: {rec['n']} rows {rec['dtypes']}, coverage "
+              f"{rec['after']:.3f}, MAPE {rec['mape']:.3f}, in domain {rec['in_domain']:.3f}; "
+              "upward spread needed (rows, spread) from FLOPs " +
+              ", ".join(f">= {k}: {v[0]}, {v[1]:.2f}" for k, v in rec["need"].items()),
+              file=sys.stderr, flush=True)
+    return out
 
 
 def beyond_cut(v: np.ndarray, least: int = 20) -> int | None:
@@ -386,6 +430,8 @@ def main() -> int:
     ap.add_argument("--trees", type=int, default=50, help="trees per forest (default 50)")
     ap.add_argument("--coverage-only", action="store_true")
     ap.add_argument("--transfer-only", action="store_true")
+    ap.add_argument("--align", action="store_true",
+                    help="only the unaligned shapes left out, with the spread they need")
     ap.add_argument("--defaults", action="store_true",
                     help="only the level pseudo-counts a prior of one GPU model gets "
                          "(offsets.LEVEL_N0_DEFAULT_BY_N), from the shared GPUs")
@@ -431,8 +477,15 @@ def main() -> int:
             args.json.write_text(json.dumps(res, indent=1, default=float))
         print(json.dumps(res["defaults"]["level_n0_by_n"]))
         return 0
+    if args.align:
+        res["unaligned"] = unaligned(G, cfg)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1, default=float))
+        if args.markdown:
+            print(markdown({"coverage": res["unaligned"]}))
+        return 0
     if not args.transfer_only:
-        res["coverage"] = coverage(G, cfg)
+        res["coverage"] = coverage(G, cfg) + unaligned(G, cfg)
     if not args.coverage_only:
         res["transfer"] = transfer(G, cfg, [int(x) for x in args.probes.split(",") if x],
                                    args.seeds, args.pairs, holdout=holdout,

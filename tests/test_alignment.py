@@ -121,3 +121,22 @@ def test_a_record_saved_without_alignment_knows_every_alignment(aligned_model):
         g.pop("align")
     flags = domain_flags(rec, odd)
     assert not flags["align"].any() and not any("aligned" in r for r in flags["reason"])
+
+
+def test_the_bench_measures_the_upward_spread_unaligned_shapes_need():
+    """bench/transfer.py --align: a GPU's unaligned rows left out of a prior of all,
+    judged on them, with the spread their intervals' upper ends need: for GEMMs SLOWER
+    times slower to compute, about log(SLOWER) over the interval's z, inside the
+    default; a GPU with no unaligned rows is not judged."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import transfer
+
+    a100 = features.concat([gemms(A100, 300, 8), gemms(A100, 120, 9, odd=True)])
+    res = transfer.unaligned({"a100": a100, "h100": gemms(H100, 300, 10)}, CFG)
+    assert [r["gpu"] for r in res] == ["a100"] and res[0]["n"] == 120
+    assert res[0]["after"] >= 0.85 and res[0]["in_domain"] == 0.0
+    rows, need = res[0]["need"]["1e+08"]
+    assert rows >= 20 and 0.4 < need < OOD_SD["runtime"]["align"]
