@@ -20,9 +20,10 @@ CFG = ModelConfig(min_samples=2, n_estimators=30)
 SLOWER = 3.0  # an unaligned GEMM's compute, as on the H200 (bench/RESULTS.md, 2026-11-27)
 
 
-def gemms(info, n: int, seed: int, dtype: str = "bf16", odd: bool = False) -> Table:
+def gemms(info, n: int, seed: int, dtype: str = "bf16", odd: bool = False,
+          slower: float = SLOWER) -> Table:
     """GEMMs at an efficiency that grows with size plus a launch cost; ``odd``: each of
-    M, N, K nudged off its power of two by an odd amount, the compute SLOWER times
+    M, N, K nudged off its power of two by an odd amount, the compute ``slower`` times
     slower (a launch-bound GEMM loses little)."""
     rng = np.random.default_rng(seed)
     dims = 2 ** rng.integers(8, 13 if odd else 14, size=(n, 3))  # odd: inside the sizes
@@ -31,7 +32,7 @@ def gemms(info, n: int, seed: int, dtype: str = "bf16", odd: bool = False) -> Ta
     t = Table.from_rows([{"m": int(m), "n": int(nn), "k": int(k), "dtype": dtype}
                          for m, nn, k in dims], [info] * n)
     eff = 0.8 * (0.9 * (1 - np.exp(-features.flops(t) / 2**32)) + 0.05)
-    compute = features.roofline(t) / eff * (SLOWER if odd else 1.0)
+    compute = features.roofline(t) / eff * (slower if odd else 1.0)
     t.cols["runtime_s"] = (compute + 4e-6) * np.exp(rng.normal(0, 0.03, n))
     return t
 
@@ -83,6 +84,27 @@ def test_an_unaligned_shape_is_flagged_and_its_runtime_covered_upward(aligned_mo
         tiny.cols[c] = np.full(len(tiny), 17.0)
     small = aligned_model.predict_table(tiny)["runtime"]
     assert np.all(np.log(small["hi"] / small["point"]) < np.median(up[big]))
+
+
+def test_a_fleet_that_probed_unaligned_shapes_measures_what_they_cost():
+    """Training data with a GPU's unaligned shapes beside its aligned ones: fit-time
+    validation holds them out and measures the upward spread they need (here 8x slower:
+    more than the default allows), which then widens another GPU's unaligned shapes that
+    its own data never had; without such data the default stays."""
+    slow = 8.0
+    fleet = features.concat([gemms(A100, 300, 11), gemms(A100, 150, 12, odd=True, slower=slow),
+                             gemms(H100, 300, 13)])
+    model = ForestModel.fit_table(fleet, CFG)
+    measured = model.meta["ood_sd"]["runtime"]["align"]
+    assert model.meta["ood_sd"]["energy"]["align"] == measured
+    assert OOD_SD["runtime"]["align"] < np.log(slow) / 1.645 * 0.9 < measured < 2.0
+    odd = gemms(H100, 200, 14, odd=True, slower=slow)
+    res = model.predict_table(odd)["runtime"]
+    y = odd["runtime_s"]
+    assert all("aligned to 2 B" in r for r in res["domain"])
+    assert np.mean((res["lo"] <= y) & (y <= res["hi"])) >= 0.85
+    default = ForestModel.fit_table(gemms(A100, 300, 11), CFG)
+    assert "align" not in default.meta.get("ood_sd", {}).get("runtime", {})
 
 
 def test_power_outside_the_alignment_is_widened_both_ways(aligned_model):

@@ -150,8 +150,9 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     """Per row, how it lies outside the domain ``rec``: "gpu", "dtype", "kernel" (bool
     arrays), "size" (factors of 2 beyond the trained range, >= 0, in the dimension of
     _SIZES it lies farthest beyond; "size_by": per dimension, n x 4), "align" (aligned to
-    fewer bytes than the GPU model's rows of that dtype, or with none, any GPU's),
-    "in_domain" and
+    fewer bytes than the GPU model's rows of that dtype, or with none, any GPU's;
+    "align_seen": such rows of which other GPU models' rows of the dtype were trained on
+    as unaligned), "in_domain" and
     "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
     calibration has seen on a device. A model without a record (older files) is taken
     to know everything.
@@ -168,6 +169,7 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
                            "kernel": np.zeros(n, bool), "size": np.zeros(n),
                            "size_by": np.zeros((n, len(_SIZES))), "align": np.zeros(n, bool),
+                           "align_seen": np.zeros(n, bool),
                            "in_domain": np.ones(n, bool), "reason": np.full(n, "", object)}
     if not rec or not n:
         return out
@@ -231,6 +233,11 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
         if least:  # an older record (no "align") knows every alignment
             low = sel & (aligns < min(least))
             out["align"][low] = True
+            # trained on such alignment on another GPU model: the forest may carry its
+            # cost here (more or less than this GPU's), not the aligned shapes' level
+            anywhere = rec.get("align", {}).get(dtype)
+            out["align_seen"][low & (aligns >= (anywhere if anywhere is not None
+                                                else np.inf))] = True
             for i in np.flatnonzero(low):
                 out["reason"][i] = (f"M, N, K aligned to {2 ** aligns[i]:.0f} B, trained "
                                     f"on >= {2 ** min(least):.0f} B")
@@ -272,19 +279,28 @@ def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, An
     a runtime's (and energy's) interval alone: a GEMM loses speed unaligned, never gains
     it (a kernel for unaligned data runs aligned data too), so the trained prediction is
     its lower end. What slows is the work, not the launch: ``tau``'s "align" times the
-    share of the predicted runtime (``runtime_log``) beyond LAUNCH_S. Other targets: none
-    (widen widens both ends)."""
-    if target not in ALIGN_UPWARD or runtime_log is None or not flags["align"].any():
-        return np.zeros(len(flags["align"]))
-    share = np.clip(1.0 - LAUNCH_S / np.exp(runtime_log), 0.0, 1.0)
-    return np.where(flags["align"], tau.get("align", OOD_SD[target]["align"]) * share, 0.0)
+    share of the predicted runtime (``runtime_log``) beyond LAUNCH_S. Not where other GPU
+    models were trained at that alignment ("align_seen": the forest may have carried
+    their loss, too much or too little) nor for other targets: widen widens both ends."""
+    up = flags["align"] & ~flags["align_seen"]
+    if target not in ALIGN_UPWARD or runtime_log is None or not up.any():
+        return np.zeros(len(up))
+    return np.where(up, tau.get("align", OOD_SD[target]["align"]) *
+                    _work_share(runtime_log), 0.0)
+
+
+def _work_share(runtime_log: np.ndarray) -> np.ndarray:
+    """The share of a predicted runtime beyond a launch (LAUNCH_S)."""
+    return np.clip(1.0 - LAUNCH_S / np.exp(runtime_log), 0.0, 1.0)
 
 
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
-          skip: Sequence[str] = (), tau: Mapping[str, float] | None = None) -> np.ndarray:
+          skip: Sequence[str] = (), tau: Mapping[str, float] | None = None,
+          runtime_log: np.ndarray | None = None) -> np.ndarray:
     """sd combined with the spread (``tau``, else OOD_SD) of every way a row lies
     outside the domain (beyond the trained sizes: size_widening; below the trained
-    alignment, targets other than ALIGN_UPWARD's: align_widening widens those upward)."""
+    alignment: for ALIGN_UPWARD's targets only where "align_seen", scaled as
+    align_widening by ``runtime_log``, which widens the others upward)."""
     tau = tau or OOD_SD.get(target, OOD_SD["runtime"])
     var = sd**2
     for kind in ("gpu", "dtype", "kernel"):
@@ -292,9 +308,22 @@ def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
             var = var + np.where(flags[kind], tau[kind] ** 2, 0.0)
     if "size" not in skip:
         var = var + size_widening(tau, flags) ** 2
-    if "align" not in skip and target not in ALIGN_UPWARD:
-        var = var + np.where(flags["align"], tau.get("align", 0.0) ** 2, 0.0)
+    if "align" not in skip:
+        var = var + align_both_ways(target, tau, flags, runtime_log) ** 2
     return np.sqrt(var)
+
+
+def align_both_ways(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
+                    runtime_log: np.ndarray | None) -> np.ndarray:
+    """Per row, the log-space sd its alignment below the trained adds to both ends of
+    its interval: for targets other than ALIGN_UPWARD's, ``tau``'s "align"; for those,
+    where "align_seen", as align_widening scales it (``runtime_log``)."""
+    if target not in ALIGN_UPWARD:
+        return np.where(flags["align"], tau.get("align", OOD_SD["power"]["align"]), 0.0)
+    if runtime_log is None:
+        return np.zeros(len(flags["align"]))
+    both = tau.get("align", OOD_SD[target]["align"]) * _work_share(runtime_log)
+    return np.where(flags["align"] & flags["align_seen"], both, 0.0)
 
 
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],

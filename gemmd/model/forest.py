@@ -237,8 +237,10 @@ class ForestModel:
         if not len(t):
             return {}
         logs, flags = self.prior_logs(t)
+        run = logs.get("runtime", (None,))[0]
         for target, (mu, sd) in list(logs.items()):
-            logs[target] = (mu, widen(target, sd, flags[target], tau=self.ood_sd(target)))
+            logs[target] = (mu, widen(target, sd, flags[target], tau=self.ood_sd(target),
+                                      runtime_log=run))
         logs = self._with_energy(logs, t)
         per = {tg: flags.get(tg, flags["runtime"]) for tg in logs}
         out = result(logs, per, self.z, {tg: align_widening(
@@ -251,7 +253,7 @@ class ForestModel:
         with the model's own validated figures where it measured them at fit time
         (leave-one-GPU-out for "gpu", extrapolation beyond a trained size for "size" and
         per dimension "size_m", "size_n", "size_k"; for runtime, "scatter": a kernel the
-        model never saw)."""
+        model never saw; for runtime and energy, "align": unaligned shapes held out)."""
         return {**OOD_SD.get(target, OOD_SD["runtime"]),
                 **(self.meta.get("ood_sd") or {}).get(target, {})}
 

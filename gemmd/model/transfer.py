@@ -22,6 +22,7 @@ from gemmd.hardware import gpu_model_key
 from gemmd.model.calibration import _calibrated_logs, calibrate, with_probe_sources
 from gemmd.model.domain import (
     MIN_SD,
+    align_both_ways,
     align_widening,
     domain_flags,
     domain_record,
@@ -350,17 +351,19 @@ class TransferModel:
             "few" in used else None
         q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
         recs = self.prior.meta.get("domain_targets") or {}
+        run = logs.get("runtime", (None,))[0]
         for target, (mu, sd) in logs.items():
             tau = self.prior.ood_sd(target)
             kernels = set((recs.get(target) or self.prior.meta.get("domain") or {}).get(
                 "kernels", []))
-            mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau)
+            mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau, runtime_log=run)
             choice = self.choice.get(target, "calibrated")
             # per row, the widening for lying beyond the probes' sizes (the trees on them
             # extrapolate flat), and beyond the prior's
             near = size_widening(tau, near_fl, least=False) if near_fl is not None else \
                 np.zeros(len(t))
-            beyond = size_widening(tau, flags[target])
+            beyond = np.hypot(size_widening(tau, flags[target]),
+                              align_both_ways(target, tau, flags[target], run))
             scale = self._row_scale(target, choice, t["kernel"],
                                     self.cv_scale.get(target, 1.0))
             for j, cal in enumerate(cals):

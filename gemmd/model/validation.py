@@ -1,7 +1,8 @@
 """Validation at fit time: what the training data say about predicting outside
-themselves. Sizes beyond the trained range held out (_validate_size), each GPU model
-left out in turn (_validate_transfer) and a new GPU's first probes simulated
-(_validate_calibration), on small forests fitted quickly."""
+themselves. Sizes beyond the trained range held out (_validate_size), unaligned shapes
+held out (_validate_align), each GPU model left out in turn (_validate_transfer) and a
+new GPU's first probes simulated (_validate_calibration), on small forests fitted
+quickly."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from gemmd.features import Table
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import (
+    ALIGN_BYTES,
     OOD_SD,
     SIZE_MIN_D,
     TRANSFER_GRID,
     _reference_shapes,
+    align_log2,
     domain_flags,
     domain_record,
     widen,
@@ -39,7 +42,7 @@ from gemmd.model.offsets import (
     _robust_offsets,
     level_n0,
 )
-from gemmd.model.space import runtime_reference, to_model_space
+from gemmd.model.space import LAUNCH_S, runtime_reference, to_model_space
 
 VALIDATION_TREES = 20  # trees of each forest fitted to validate (leave-one-GPU-out, sizes)
 VALIDATION_TRAIN_MAX = 5_000  # configurations such a forest is fitted on, at most
@@ -52,6 +55,10 @@ LOGO_TRUST_GPUS = 9  # GPU models left out before their spread alone sets the "g
 # (log-space sd): what lies beyond the data can hold what no fold inside it shows.
 SIZE_SD_FLOOR = 0.05
 SIZE_SHARE = 0.15  # the largest (smallest) sizes held out to validate extrapolation
+# Unaligned GEMMs judged for the "align" spread: those of at least this many FLOPs, where
+# a GEMM computes rather than waits on its launch (the B200's smaller unaligned rows are
+# mostly degenerate, a dimension of 1-4, and lose little), where there are enough of them
+ALIGN_FLOPS = 1e9
 # What a fold is built as: ForestModel (forests, sigma, z, meta), passed in by
 # ForestModel.fit_table, which calls this module (importing it here would close a circle).
 ModelClass = Callable[[dict[str, Any], dict[str, float], float, dict[str, Any]], Any]
@@ -120,8 +127,9 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
     ({target: {"size", "size_m", "size_n", "size_k": spread per factor of 2 beyond the
     trained sizes, over all dimensions and per dimension; "gpu": spread on a GPU model
     never trained on; for runtime "scatter": how far a kernel strays from one efficiency
-    level}} where measured, {target: the leave-one-GPU-out record}); see _validate_size,
-    _kernel_scatter and _validate_transfer. ``model``: what folds are built as
+    level; for runtime and energy "align": unaligned shapes' upper ends}} where measured,
+    {target: the leave-one-GPU-out record}); see _validate_size, _kernel_scatter,
+    _validate_align and _validate_transfer. ``model``: what folds are built as
     (ModelClass)."""
     ood: dict[str, dict[str, float]] = {}
     transfer: dict[str, dict[str, Any]] = {}
@@ -135,6 +143,12 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
             tau.update(size)
             ood.setdefault(target, {}).update(size)
         if target == "runtime":
+            align = _validate_align(t, X, gid, y, sigma[target], in_scale[target], cfg, z,
+                                    model)
+            if align is not None:  # energy is runtime times power: the same upper end
+                tau["align"] = align
+                for tg in ("runtime", "energy"):
+                    ood.setdefault(tg, {})["align"] = align
             scatter = _kernel_scatter(t, y, cfg.interval, z)
             if scatter is not None:
                 ood.setdefault(target, {})["scatter"] = scatter
@@ -221,6 +235,40 @@ def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.
     if sum(len(x) for x in needs) >= LOGO_MIN_ROWS:
         out_sd["size"] = _size_quantile(np.concatenate(needs), cfg.interval)
     return out_sd
+
+
+def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sigma: float,
+                    scale: float, cfg: ModelConfig, z: float, model: ModelClass
+                    ) -> float | None:
+    """The runtime's "align" spread (domain.align_widening), where the training data
+    hold GPU models and dtypes with both aligned and unaligned rows (LOGO_MIN_ROWS each):
+    their unaligned rows held out, a forest fitted on the rest, and what the upper end of
+    each held-out row's interval needs to hold it, per unit of its runtime's share
+    beyond a launch: the conformal quantile at the nominal share, over the rows of
+    ALIGN_FLOPS or more where there are enough. A fleet whose exploration probed
+    unaligned shapes thus measures, for a GPU or dtype whose probes were all aligned,
+    what its own GPUs lost. None without such data."""
+    ok = np.isfinite(y)
+    low = align_log2(t) < math.log2(ALIGN_BYTES)
+    keys = np.char.add(_row_gpu_keys(t).astype(str), np.char.add("/", t["dtype"].astype(str)))
+    out = np.zeros(len(t), dtype=bool)
+    for k in np.unique(keys[ok & low]):
+        g = ok & (keys == k)
+        if (g & low).sum() >= LOGO_MIN_ROWS and (g & ~low).sum() >= LOGO_MIN_ROWS:
+            out |= g & low
+    train = ok & ~out
+    if out.sum() < LOGO_MIN_ROWS or train.sum() < 3 * LOGO_MIN_ROWS:
+        return None
+    fold = _fold_model(t, np.flatnonzero(train), X, gid, "runtime", y, sigma, cfg, model)
+    big = out & (features.flops(t) >= ALIGN_FLOPS)
+    te = t.take(_test_rows(big if big.sum() >= LOGO_MIN_ROWS else out, cfg.seed + 7))
+    mu, sd = fold.raw_logs(te, scaled=False)["runtime"]
+    mu = _clip_logs("runtime", te, mu)
+    r = np.log(te["runtime_s"]) - mu
+    share = np.clip(1.0 - LAUNCH_S / np.exp(mu), 1e-3, 1.0)
+    need = np.where(r > 0, _need(r, sd * scale, z, share), 0.0)
+    return float(np.clip(conformal_quantile(need[np.isfinite(need)], cfg.interval),
+                         SIZE_SD_FLOOR, 3.0))
 
 
 def share_cut(v: np.ndarray, side: int = 1, share: float = SIZE_SHARE) -> float:
