@@ -12,7 +12,7 @@ from gemmd import datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.model import ForestModel, TransferModel
-from gemmd.model.domain import OOD_SD, align_log2, domain_flags
+from gemmd.model.domain import ALIGN_MIN_ROWS, OOD_SD, align_log2, domain_flags
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
 H100 = datasets.KNOWN_GPUS["h100-sxm"]
@@ -71,10 +71,7 @@ def test_an_unaligned_shape_is_flagged_and_its_runtime_covered_upward(aligned_mo
     big = features.flops(odd) > 2**34
     assert np.all(up[big] > 2 * down[big])
     # the lower end is the in-domain one: the same sizes rounded to 16 bytes
-    rounded = copy.deepcopy(odd)
-    for c in ("m", "n", "k"):
-        rounded.cols[c] = (odd[c] // 8) * 8
-    inside = aligned_model.predict_table(rounded)["runtime"]
+    inside = aligned_model.predict_table(rounded(odd))["runtime"]
     assert inside["in_domain"].all()
     ratio = (res["point"] / res["lo"]) / (inside["point"] / inside["lo"])
     assert np.allclose(ratio, 1.0, rtol=1e-6)
@@ -107,15 +104,72 @@ def test_a_fleet_that_probed_unaligned_shapes_measures_what_they_cost():
     assert "align" not in default.meta.get("ood_sd", {}).get("runtime", {})
 
 
-def test_power_outside_the_alignment_is_widened_both_ways(aligned_model):
+def rounded(t: Table) -> Table:
+    """The same GEMMs with M, N, K rounded down to a multiple of 8 (16 bytes in bf16)."""
+    out = copy.deepcopy(t)
+    for c in ("m", "n", "k"):
+        out.cols[c] = (t[c] // 8) * 8
+    return out
+
+
+def test_power_outside_the_alignment_is_widened_both_ways():
     t = gemms(A100, 200, 3)
-    t.cols["power_w"] = np.full(len(t), 300.0)
+    t.cols["power_w"] = 300.0 * np.exp(np.random.default_rng(3).normal(0, 0.02, len(t)))
     model = ForestModel.fit_table(t, CFG)
     odd = gemms(A100, 50, 4, odd=True)
-    p = model.predict_table(odd)["power"]
-    assert not p["in_domain"].any()
+    p, inside = (model.predict_table(x)["power"] for x in (odd, rounded(odd)))
+    assert not p["in_domain"].any() and inside["in_domain"].all()
     up, down = np.log(p["hi"] / p["point"]), np.log(p["point"] / p["lo"])
-    assert np.allclose(up, down, rtol=1e-6) and OOD_SD["power"]["align"] > 0
+    assert np.allclose(up, down, rtol=1e-6)
+    half = np.log(inside["hi"] / inside["point"])
+    want = np.hypot(half, model.z * OOD_SD["power"]["align"])
+    assert np.allclose(up, want, rtol=0.02) and np.all(up > half * 1.2)
+
+
+def test_a_few_unaligned_rows_do_not_make_a_domain():
+    """Below ALIGN_MIN_ROWS rows at an alignment a model has not learnt what it costs:
+    one or three unaligned rows beside aligned ones leave the rest flagged and covered;
+    ten count as trained on."""
+    odd = gemms(A100, 200, 15, odd=True)
+    for few, flagged in ((1, True), (3, True), (ALIGN_MIN_ROWS, False)):
+        t = features.concat([gemms(A100, 300, 0), odd.take(np.arange(few))])
+        res = ForestModel.fit_table(t, CFG).predict_table(odd.take(np.arange(50, 200)))
+        r = res["runtime"]
+        assert bool((~r["in_domain"]).all()) == flagged, few
+        if flagged:
+            y = odd["runtime_s"][50:]
+            assert np.mean((r["lo"] <= y) & (y <= r["hi"])) >= 0.85
+
+
+def test_the_calibrated_prior_keeps_the_priors_alignment_flags(aligned_model):
+    """The calibrated prior (an offset per dtype) cannot follow what unaligned shapes
+    cost, whatever its probes' alignment: its rows stay flagged and widened upward
+    (where trees on the probes predict them, the probes' alignment counts: above)."""
+    probes = features.concat([gemms(H100, 6, 16), gemms(H100, 12, 17, odd=True)])
+    tm = TransferModel.fit(aligned_model, probes, CFG, select=False)
+    assert tm.choice["runtime"] == "calibrated"
+    assert tm.calibrations[next(iter(tm.calibrations))].domain["runtime"]["align"]["bf16"] == 1
+    odd = gemms(H100, 150, 18, odd=True)
+    r = tm.predict_table(odd)["runtime"]
+    assert all("aligned to 2 B" in x for x in r["domain"])
+    y = odd["runtime_s"]
+    assert np.mean((r["lo"] <= y) & (y <= r["hi"])) >= 0.85
+
+
+def test_derived_energy_is_slowed_as_the_runtime_is():
+    """Energy as power x runtime: its upward widening follows the runtime's domain (here
+    trained unaligned), not power's (aligned only): no more than power's own."""
+    t = features.concat([gemms(A100, 300, 19), gemms(A100, 60, 20, odd=True)])
+    aligned = align_log2(t) >= 4
+    t.cols["power_w"] = np.where(aligned, 300.0, np.nan) * np.exp(
+        np.random.default_rng(4).normal(0, 0.02, len(t)))
+    model = ForestModel.fit_table(t, CFG)
+    assert model.meta.get("derived", {}).get("energy")
+    res = model.predict_table(gemms(A100, 50, 21, odd=True))
+    assert res["runtime"]["in_domain"].all() and not res["power"]["in_domain"].any()
+    e = res["energy"]
+    up, down = np.log(e["hi"] / e["point"]), np.log(e["point"] / e["lo"])
+    assert np.allclose(up, down, rtol=1e-6)
 
 
 def test_probes_of_unaligned_shapes_bring_them_into_the_domain(aligned_model):
@@ -124,8 +178,15 @@ def test_probes_of_unaligned_shapes_bring_them_into_the_domain(aligned_model):
     odd = gemms(H100, 120, 5, odd=True)
     aligned = gemms(H100, 40, 6)
     with_odd = TransferModel.fit(aligned_model, odd.take(np.arange(40)), CFG)
+    assert with_odd.choice["runtime"] != "calibrated"  # trees on the probes
     res = with_odd.predict_table(odd.take(np.arange(40, 120)))["runtime"]
     assert not any("aligned to" in r for r in res["domain"])
+    up, down = np.log(res["hi"] / res["point"]), np.log(res["point"] / res["lo"])
+    assert np.allclose(up, down, rtol=1e-6)  # no upward widening left
+    # uncalibrated, a GPU model never trained on: any GPU's rows of the dtype decide
+    alone = aligned_model.predict_table(odd)["runtime"]["domain"]
+    assert all(r.startswith("no data on") and r.endswith(
+        "; M, N, K aligned to 2 B, trained on >= 16 B") for r in alone)
     without = TransferModel.fit(aligned_model, aligned, CFG)
     res = without.predict_table(odd.take(np.arange(40, 120)))["runtime"]
     assert all("M, N, K aligned to 2 B, trained on >= 16 B" in r for r in res["domain"])

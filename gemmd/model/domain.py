@@ -35,6 +35,10 @@ SIZE_MIN_D = 0.5  # a row beyond the trained sizes is widened as if at least thi
 # domain, its 90% intervals holding 20% of them (bench/RESULTS.md, 2026-11-27). A row
 # aligned to fewer bytes than any its GPU and dtype were trained on is outside the domain.
 ALIGN_BYTES = 16
+# Rows at an alignment (or below) before it counts as trained on: a forest does not learn
+# what unaligned shapes cost from one or three of them (fitted with 1 or 3 of them beside
+# aligned ones, its intervals held none of a 3x slower unaligned set; 10: 83%).
+ALIGN_MIN_ROWS = 10
 ALIGN_UPWARD = ("runtime", "energy")  # targets an unaligned GEMM only raises (align_widening)
 
 # No interval narrower than this (log space, about +-0.8% at 90%): repeated GEMMs on a
@@ -48,11 +52,12 @@ MIN_SD = 0.005
 # any training row of its GPU and dtype. Measured by leaving out whole GPUs,
 # dtypes and kernels on the shared data (bench/transfer.py --coverage, docs/model.md):
 # these make the nominal interval cover about its share of such predictions there.
-# "align" (align_widening: upward, times the runtime's share beyond a launch) from the
-# B200's fp16 rows with a dimension not a multiple of 8, left out of a prior of the four
-# shared GPUs: 1.05 held 90% of the 618 above 1 GFLOP (1.08 above 10 GFLOP); below, the
-# B200's unaligned rows are degenerate (a dimension of 1-4), and 0.57 held all 3,129.
-# Their power needed none (0.1 kept, as for sizes). docs/model.md.
+# "align" (align_widening: upward, times the runtime's share beyond a launch; validated
+# at fit time where the data hold unaligned rows, _validate_align) from the B200's rows
+# with a dimension not a multiple of 16 bytes (2,653 fp16, 476 fp8), left out of a prior
+# of the four shared GPUs: 1.05 held 90% of the 618 above 1 GFLOP (1.08 above 10 GFLOP);
+# most have a dimension of 1-4, and 0.57 held all 3,129. Their power needed none (0.1
+# kept, as for sizes). docs/model.md, "Alignment".
 OOD_SD: dict[str, dict[str, float]] = {
     "runtime": {"gpu": 0.5, "dtype": 0.35, "kernel": 1.5, "size": 0.25, "align": 1.05},
     "power": {"gpu": 0.45, "dtype": 0.4, "kernel": 0.4, "size": 0.1, "align": 0.1},
@@ -106,9 +111,11 @@ def align_log2(t: Table) -> np.ndarray:
 
 
 def _least_align(t: Table, sel: np.ndarray) -> dict[str, float]:
-    """Per dtype among the rows ``sel``: the least alignment (align_log2) trained on."""
+    """Per dtype among the rows ``sel``: the least alignment (align_log2) trained on by
+    ALIGN_MIN_ROWS rows (all of them, where fewer), those or less aligned."""
     a, d = align_log2(t)[sel], t["dtype"][sel].astype(str)
-    return {str(x): float(a[d == x].min()) for x in np.unique(d)}
+    return {str(x): float(np.sort(a[d == x])[min(ALIGN_MIN_ROWS, int((d == x).sum())) - 1])
+            for x in np.unique(d)}
 
 
 def domain_record(t: Table) -> dict[str, Any]:
@@ -287,6 +294,42 @@ def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, An
         return np.zeros(len(up))
     return np.where(up, tau.get("align", OOD_SD[target]["align"]) *
                     _work_share(runtime_log), 0.0)
+
+
+def beyond_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
+                    runtime_log: np.ndarray | None) -> np.ndarray:
+    """size_widening and align_both_ways together: the log sd a calibrated row's shape
+    adds for lying outside the shapes trained on (and probed)."""
+    return np.hypot(size_widening(tau, flags), align_both_ways(target, tau, flags,
+                                                               runtime_log))
+
+
+def without_align(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
+                  ) -> dict[str, dict[str, dict[str, Any]]]:
+    """domain_flags' ``extra`` per target, with no probed alignment in it."""
+    return {tg: {g: {k: v for k, v in d.items() if k != "align"} for g, d in e.items()}
+            for tg, e in extra.items()}
+
+
+def upward(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+           flags: Mapping[str, Mapping[str, Any]], tau_of: Any, meta: Mapping[str, Any]
+           ) -> dict[str, np.ndarray]:
+    """result's ``up`` per target of ``logs`` (align_widening, ``tau_of(target)`` its
+    spreads, ``flags`` per target): energy derived as power x runtime (``meta``
+    "derived") is slowed as the runtime is, whatever power's domain."""
+    derived = (meta.get("derived") or {}).get("energy")
+    run = logs.get("runtime", (None,))[0]
+    return {tg: align_widening(tg, tau_of(tg), flags["runtime" if tg == "energy" and
+                                                     derived else tg], run) for tg in logs}
+
+
+def flags_where(mask: np.ndarray, a: Mapping[str, Any], b: Mapping[str, Any]
+                ) -> dict[str, Any]:
+    """Domain flags (domain_flags' arrays) of ``a`` where ``mask``, of ``b`` elsewhere."""
+    if not mask.any():
+        return dict(b)
+    return {k: np.where(mask.reshape(-1, *([1] * (np.ndim(v) - 1))), a[k], v)
+            for k, v in b.items()}
 
 
 def _work_share(runtime_log: np.ndarray) -> np.ndarray:

@@ -30,11 +30,11 @@ from gemmd.model.domain import (
     MIN_SD,
     OOD_SD,
     _reference_shapes,
-    align_widening,
     domain_flags,
     domain_record,
     result,
     to_predictions,
+    upward,
     widen,
 )
 from gemmd.model.flat import _FLAT_MAX_ROWS, _FlatForest, _per_tree
@@ -243,8 +243,7 @@ class ForestModel:
                                       runtime_log=run))
         logs = self._with_energy(logs, t)
         per = {tg: flags.get(tg, flags["runtime"]) for tg in logs}
-        out = result(logs, per, self.z, {tg: align_widening(
-            tg, self.ood_sd(tg), per[tg], logs.get("runtime", (None,))[0]) for tg in logs})
+        out = result(logs, per, self.z, upward(logs, per, self.ood_sd, self.meta))
         bounds.clip(out, t)
         return out
 

@@ -312,3 +312,10 @@ def min_narrow_rows(p: float) -> int:
     (cv_interval_scale): even the largest of n covers ``p`` of new rows with probability
     NARROW_CONFIDENCE only from n >= log(1 - NARROW_CONFIDENCE) / log(p) (22 at 90%)."""
     return math.ceil(math.log(1.0 - NARROW_CONFIDENCE) / math.log(p) - 1e-9)
+
+
+def _t_quantile(dof: float, p: float) -> float:
+    """Student's t quantile at ``p`` with ``dof`` degrees of freedom."""
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(p, dof))

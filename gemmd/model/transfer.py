@@ -22,20 +22,23 @@ from gemmd.hardware import gpu_model_key
 from gemmd.model.calibration import _calibrated_logs, calibrate, with_probe_sources
 from gemmd.model.domain import (
     MIN_SD,
-    align_both_ways,
-    align_widening,
+    beyond_widening,
     domain_flags,
     domain_record,
+    flags_where,
     result,
     size_widening,
     to_predictions,
+    upward,
     widen,
+    without_align,
 )
 from gemmd.model.flat import _FLAT_MAX_ROWS, _FlatForest, _per_tree
 from gemmd.model.forest import ForestModel
 from gemmd.model.intervals import (
     MAX_SAMPLES,
     _aggregate,
+    _t_quantile,
     cv_interval_scale,
     min_cv_rows,
     min_narrow_rows,
@@ -336,6 +339,9 @@ class TransferModel:
                 for target, dom in cal_.domain.items():
                     extra.setdefault(target, {})[cal_.gpu] = dom
         flags = self.prior.target_flags(t, extra) if extra else flags0
+        # the calibrated prior cannot follow unaligned shapes: its rows keep prior flags
+        flags_prior = self.prior.target_flags(t, without_align(extra)) if extra else flags0
+        on_prior = np.zeros(len(t), dtype=bool)
         groups = _groups(t)
         zrow = np.full(len(t), self.z)
         has = np.array([c is not None for c in cals])[t.device]
@@ -362,8 +368,8 @@ class TransferModel:
             # extrapolate flat), and beyond the prior's
             near = size_widening(tau, near_fl, least=False) if near_fl is not None else \
                 np.zeros(len(t))
-            beyond = np.hypot(size_widening(tau, flags[target]),
-                              align_both_ways(target, tau, flags[target], run))
+            beyond = beyond_widening(target, tau, flags[target], run)
+            beyond_prior = beyond_widening(target, tau, flags_prior[target], run)
             scale = self._row_scale(target, choice, t["kernel"],
                                     self.cv_scale.get(target, 1.0))
             for j, cal in enumerate(cals):
@@ -424,6 +430,8 @@ class TransferModel:
                 c = scale[idx] if choice == "calibrated" else self._row_scale(
                     target, "calibrated", t["kernel"][idx],
                     self._cv_record(target, "calibrated").get("scale", 1.0))
+                extra_sz = beyond_prior[idx] ** 2
+                on_prior[idx] = True
                 sd[idx] = np.sqrt(var + extra_sz) * c
                 zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
                     self.meta.get("interval", 0.9)) / 2)
@@ -438,9 +446,9 @@ class TransferModel:
         if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
-        per = {tg: flags.get(tg, flags["runtime"]) for tg in out}
-        res = result(out, per, zrow, {tg: align_widening(
-            tg, self.prior.ood_sd(tg), per[tg], out.get("runtime", (None,))[0]) for tg in out})
+        per = {tg: flags_where(on_prior, flags_prior.get(tg, flags_prior["runtime"]),
+                            flags.get(tg, flags["runtime"])) for tg in out}
+        res = result(out, per, zrow, upward(out, per, self.prior.ood_sd, self.prior.meta))
         bounds.clip(res, t)
         return res
 
@@ -589,9 +597,3 @@ def _fit_trees(t: Table, cfg: ModelConfig, targets: Sequence[str],
         et.n_jobs = 1  # predictions are single-threaded whatever the fit used
         out[target] = (et, noise)
     return out
-
-
-def _t_quantile(dof: float, p: float) -> float:
-    from scipy.stats import t as student_t
-
-    return float(student_t.ppf(p, dof))
