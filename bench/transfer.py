@@ -277,11 +277,11 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
         prior = ForestModel.load(path)  # what gemmd evaluate --model reads
         path.unlink()
         logo = prior.meta.get("logo", {}).get("runtime", {})
+        ood = prior.meta.get("ood_sd", {}).get("runtime", {})
         print(f"  prior {'+'.join(members)}: {fit_s:.1f} s, w, a = {logo.get('w')}, "
               f"{logo.get('a')}, level worth {logo.get('level_n0_by_n') or logo.get('level_n0')} "
-              "probes (per number of probes), a new kernel's scatter "
-              f"{prior.meta.get('ood_sd', {}).get('runtime', {}).get('scatter')}",
-              file=sys.stderr, flush=True)
+              f"probes (per number of probes), a new kernel's scatter {ood.get('scatter')}, "
+              f"unaligned shapes' upward spread {ood.get('align')}", file=sys.stderr, flush=True)
         for g in targets:
             tg = holdout[g] if g in holdout else G[g]
             t1 = time.perf_counter()

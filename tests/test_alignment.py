@@ -45,15 +45,22 @@ def aligned_model(tmp_path_factory):
 
 
 def test_alignment_counts_bytes_up_to_a_16_byte_vector():
+    """The least of M, N, K's alignment in bytes, up to 16; a GEMM with a dimension
+    shorter than a 16-byte vector counts as aligned (the B200's lost nothing for it)."""
     t = Table.from_rows([{"m": 4096, "n": 4096, "k": 4096, "dtype": "bf16"},
                          {"m": 4104, "n": 4096, "k": 4096, "dtype": "bf16"},  # 8 x 2 B
                          {"m": 4100, "n": 4096, "k": 4096, "dtype": "bf16"},  # 4 x 2 B
                          {"m": 4096, "n": 4096, "k": 4097, "dtype": "bf16"},
                          {"m": 4100, "n": 4096, "k": 4096, "dtype": "fp32"},  # 4 x 4 B
                          {"m": 4097, "n": 4096, "k": 4096, "dtype": "fp32"},
-                         {"m": 4104, "n": 4096, "k": 4096, "dtype": "fp8"}],  # 8 x 1 B
-                        [A100] * 7)
-    assert (2 ** align_log2(t)).tolist() == [16, 16, 8, 2, 16, 4, 8]
+                         {"m": 4104, "n": 4096, "k": 4096, "dtype": "fp8"},  # 8 x 1 B
+                         # shorter than a 16-byte vector: a matrix-vector product
+                         {"m": 2, "n": 4096, "k": 4096, "dtype": "bf16"},
+                         {"m": 7, "n": 4096, "k": 4097, "dtype": "bf16"},
+                         {"m": 8, "n": 4096, "k": 4096, "dtype": "fp8"},  # 8 B: half a vector
+                         {"m": 4100, "n": 3, "k": 4096, "dtype": "fp32"}],
+                        [A100] * 11)
+    assert (2 ** align_log2(t)).tolist() == [16, 16, 8, 2, 16, 4, 8, 16, 16, 16, 16]
 
 
 def test_an_unaligned_shape_is_flagged_and_its_runtime_covered_upward(aligned_model):

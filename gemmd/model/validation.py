@@ -55,10 +55,6 @@ LOGO_TRUST_GPUS = 9  # GPU models left out before their spread alone sets the "g
 # (log-space sd): what lies beyond the data can hold what no fold inside it shows.
 SIZE_SD_FLOOR = 0.05
 SIZE_SHARE = 0.15  # the largest (smallest) sizes held out to validate extrapolation
-# Unaligned GEMMs judged for the "align" spread: those of at least this many FLOPs, where
-# a GEMM computes rather than waits on its launch (the B200's smaller unaligned rows are
-# mostly degenerate, a dimension of 1-4, and lose little), where there are enough of them
-ALIGN_FLOPS = 1e9
 # What a fold is built as: ForestModel (forests, sigma, z, meta), passed in by
 # ForestModel.fit_table, which calls this module (importing it here would close a circle).
 ModelClass = Callable[[dict[str, Any], dict[str, float], float, dict[str, Any]], Any]
@@ -244,10 +240,9 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     hold GPU models and dtypes with both aligned and unaligned rows (LOGO_MIN_ROWS each):
     their unaligned rows held out, a forest fitted on the rest, and what the upper end of
     each held-out row's interval needs to hold it, per unit of its runtime's share
-    beyond a launch: the conformal quantile at the nominal share, over the rows of
-    ALIGN_FLOPS or more where there are enough. A fleet whose exploration probed
-    unaligned shapes thus measures, for a GPU or dtype whose probes were all aligned,
-    what its own GPUs lost. None without such data."""
+    beyond a launch: the conformal quantile at the nominal share. A fleet whose
+    exploration probed unaligned shapes thus measures, for a GPU or dtype whose probes
+    were all aligned, what its own GPUs lost. None without such data."""
     ok = np.isfinite(y)
     low = align_log2(t) < math.log2(ALIGN_BYTES)
     keys = np.char.add(_row_gpu_keys(t).astype(str), np.char.add("/", t["dtype"].astype(str)))
@@ -260,8 +255,7 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     if out.sum() < LOGO_MIN_ROWS or train.sum() < 3 * LOGO_MIN_ROWS:
         return None
     fold = _fold_model(t, np.flatnonzero(train), X, gid, "runtime", y, sigma, cfg, model)
-    big = out & (features.flops(t) >= ALIGN_FLOPS)
-    te = t.take(_test_rows(big if big.sum() >= LOGO_MIN_ROWS else out, cfg.seed + 7))
+    te = t.take(_test_rows(out, cfg.seed + 7))
     mu, sd = fold.raw_logs(te, scaled=False)["runtime"]
     mu = _clip_logs("runtime", te, mu)
     r = np.log(te["runtime_s"]) - mu
