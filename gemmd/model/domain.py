@@ -33,7 +33,8 @@ SIZE_MIN_D = 0.5  # a row beyond the trained sizes is widened as if at least thi
 # 256..8192 grid, gemmd's own bf16 probes at shapes with a dimension not a multiple of 8
 # took 3-4x its prediction (fp16 the same, tf32 2.3x, fp32 1.2x), the rows called in its
 # domain, its 90% intervals holding 20% of them (bench/RESULTS.md, 2026-11-27). A row
-# aligned to fewer bytes than any its GPU and dtype were trained on is outside the domain.
+# aligned to fewer bytes than ALIGN_MIN_ROWS training rows of its GPU and dtype reached is
+# outside the domain.
 ALIGN_BYTES = 16
 # Rows at an alignment (or below) before it counts as trained on: a forest does not learn
 # what unaligned shapes cost from one or three of them (fitted with 1 or 3 of them beside
@@ -48,8 +49,8 @@ MIN_SD = 0.005
 # Log-space sd added to a prediction's for each way its GEMM lies outside the training
 # data, per target: "gpu", a GPU model never trained on; "dtype", a dtype never trained
 # on that GPU; "kernel", a kernel never trained on (runtime then comes from the roofline);
-# "size", per factor of 2 beyond the trained range; "align", aligned to fewer bytes than
-# any training row of its GPU and dtype. Measured by leaving out whole GPUs,
+# "size", per factor of 2 beyond the trained range; "align", aligned below the training
+# of its GPU and dtype (domain_flags). Measured by leaving out whole GPUs,
 # dtypes and kernels on the shared data (bench/transfer.py --coverage, docs/model.md):
 # these make the nominal interval cover about its share of such predictions there.
 # "align" (align_widening: upward, times the runtime's share beyond a launch; validated
