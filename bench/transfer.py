@@ -53,10 +53,9 @@ from gemmd.config import ModelConfig
 from gemmd.errors import GemmdError, InputError
 from gemmd.features import Table, concat
 from gemmd.model import ForestModel
-from gemmd.model.domain import ALIGN_BYTES, align_log2
+from gemmd.model.domain import ALIGN_BYTES, align_log2, work_share
 from gemmd.model.intervals import conformal_quantile
-from gemmd.model.space import LAUNCH_S
-from gemmd.model.validation import _row_gpu_keys, share_cut
+from gemmd.model.validation import _need, _row_gpu_keys, share_cut
 
 GPUS = ("rtx4070", "b200", "h100-sxm", "mi355x")
 # Rows per GPU (random subsample; GPPerf's tiled rows are always kept): bounds the run
@@ -184,9 +183,8 @@ def unaligned(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
         res = model.predict_table(te)["runtime"]
         y = te["runtime_s"]
         r = np.log(y) - np.log(res["point"])
-        share = np.clip(1.0 - LAUNCH_S / res["point"], 1e-3, 1.0)
-        need = np.where(r > 0, np.sqrt(np.maximum((r / model.z) ** 2 - res["sigma"] ** 2,
-                                                  0.0)), 0.0) / share
+        share = np.maximum(work_share(np.log(res["point"])), 1e-3)
+        need = np.where(r > 0, _need(r, res["sigma"], model.z, share), 0.0)
         f = features.flops(te)
         rec = {"case": "unaligned left out", "gpu": g, "target": "runtime", "n": int(len(te)),
                "dtypes": sorted(set(te["dtype"].tolist())),

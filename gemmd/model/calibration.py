@@ -13,7 +13,7 @@ import numpy as np
 from gemmd.features import Table, row_sources
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
-from gemmd.model.domain import _least_align, _log2_sizes
+from gemmd.model.domain import _least_align, _log2_sizes, align_log2
 from gemmd.model.forest import ForestModel
 from gemmd.model.offsets import (
     GROUP_SD_KNOWN,
@@ -65,6 +65,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
     logs, flags = prior.prior_logs(t)
     groups = _groups(t)
     sizes = _log2_sizes(t)
+    aligns = align_log2(t)
     out: dict[str, DeviceCalibration] = {}
     dom = prior.meta.get("domain_targets") or {}
     shape_ids = shape_hashes(t)
@@ -154,8 +155,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                     "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
                     "size": [[float(x[:, i].min()), float(x[:, i].max())]
                              for i in range(x.shape[1])],
-                    "align": _least_align(t, np.isin(np.arange(len(t)),
-                                                     np.flatnonzero(sel)[ok]))}
+                    "align": _least_align(aligns, t["dtype"], np.flatnonzero(sel)[ok])}
         out[info.uuid] = cal
     return out
 

@@ -118,10 +118,12 @@ def align_log2(t: Table) -> np.ndarray:
         np.float64))
 
 
-def _least_align(t: Table, sel: np.ndarray) -> dict[str, float]:
-    """Per dtype among the rows ``sel``: the least alignment (align_log2) trained on by
-    ALIGN_MIN_ROWS rows (all of them, where fewer), those or less aligned."""
-    a, d = align_log2(t)[sel], t["dtype"][sel].astype(str)
+def _least_align(aligns: np.ndarray, dtypes: np.ndarray, sel: np.ndarray
+                 ) -> dict[str, float]:
+    """Per dtype among the rows ``sel`` (a mask or indices of ``aligns``, align_log2, and
+    ``dtypes``): the least alignment trained on by ALIGN_MIN_ROWS rows (all of them,
+    where fewer), those or less aligned."""
+    a, d = aligns[sel], dtypes[sel].astype(str)
     return {str(x): float(np.sort(a[d == x])[min(ALIGN_MIN_ROWS, int((d == x).sum())) - 1])
             for x in np.unique(d)}
 
@@ -134,6 +136,7 @@ def domain_record(t: Table) -> dict[str, Any]:
     keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)
     rowkey = keys[t.device] if len(t) else np.zeros(0, dtype=object)
     sizes = _log2_sizes(t)
+    aligns = align_log2(t)
     src = features.row_sources(t)
 
     def rng(sel: np.ndarray) -> list[list[float]]:
@@ -148,7 +151,7 @@ def domain_record(t: Table) -> dict[str, Any]:
                      "kernels": sorted(set(t["kernel"][sel].tolist())),
                      "pairs": sorted({f"{d}/{k}" for d, k in zip(t["dtype"][sel],
                                                                    t["kernel"][sel])}),
-                     "size": rng(sel), "align": _least_align(t, sel)}
+                     "size": rng(sel), "align": _least_align(aligns, t["dtype"], sel)}
         # judged by source only where every row of the GPU model says whose it is: rows
         # of no known source may be any source's
         if len(src[sel]) and all(src[sel]):
@@ -157,7 +160,7 @@ def domain_record(t: Table) -> dict[str, Any]:
     return {"gpus": gpus, "dtypes": sorted(set(t["dtype"].tolist())),
             "kernels": sorted(set(t["kernel"].tolist())),
             "size": rng(everything) if len(t) else [],
-            "align": _least_align(t, everything)}
+            "align": _least_align(aligns, t["dtype"], everything)}
 
 
 def domain_flags(rec: Mapping[str, Any] | None, t: Table,
@@ -241,18 +244,16 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
             dist = np.maximum(beyond.max(axis=1), 0.0)
             out["size"][sel] = dist
             out["size_by"][sel] = np.maximum(beyond, 0.0)
+        anywhere = rec.get("align", {}).get(dtype)  # over all GPU models
         least = [x[dtype] for x in ((known or {}).get("align"), more.get("align"))
-                 if x and dtype in x]
-        if not least and rec.get("align", {}).get(dtype) is not None:
-            least = [rec["align"][dtype]]
+                 if x and dtype in x] or ([anywhere] if anywhere is not None else [])
         if least:  # an older record (no "align") knows every alignment
             low = sel & (aligns < min(least))
             out["align"][low] = True
             # trained on such alignment on another GPU model: the forest may carry its
             # cost here (more or less than this GPU's), not the aligned shapes' level
-            anywhere = rec.get("align", {}).get(dtype)
-            out["align_seen"][low & (aligns >= (anywhere if anywhere is not None
-                                                else np.inf))] = True
+            if anywhere is not None:
+                out["align_seen"][low & (aligns >= anywhere)] = True
             for i in np.flatnonzero(low):
                 out["reason"][i] = (f"M, N, K aligned to {2 ** aligns[i]:.0f} B, trained "
                                     f"on >= {2 ** min(least):.0f} B")
@@ -300,8 +301,7 @@ def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, An
     up = flags["align"] & ~flags["align_seen"]
     if target not in ALIGN_UPWARD or runtime_log is None or not up.any():
         return np.zeros(len(up))
-    return np.where(up, tau.get("align", OOD_SD[target]["align"]) *
-                    _work_share(runtime_log), 0.0)
+    return np.where(up, _align_spread(target, tau, runtime_log), 0.0)
 
 
 def beyond_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
@@ -340,9 +340,18 @@ def flags_where(mask: np.ndarray, a: Mapping[str, Any], b: Mapping[str, Any]
             for k, v in b.items()}
 
 
-def _work_share(runtime_log: np.ndarray) -> np.ndarray:
-    """The share of a predicted runtime beyond a launch (LAUNCH_S)."""
+def work_share(runtime_log: np.ndarray) -> np.ndarray:
+    """The share of a predicted runtime beyond a launch (LAUNCH_S): what unaligned data
+    slow (align_widening, and what _validate_align and bench/transfer.py --align measure
+    per unit of)."""
     return np.clip(1.0 - LAUNCH_S / np.exp(runtime_log), 0.0, 1.0)
+
+
+def _align_spread(target: str, tau: Mapping[str, float], runtime_log: np.ndarray
+                  ) -> np.ndarray:
+    """An ALIGN_UPWARD target's alignment spread per row: ``tau``'s "align" per unit of
+    work_share."""
+    return tau.get("align", OOD_SD[target]["align"]) * work_share(runtime_log)
 
 
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
@@ -373,8 +382,8 @@ def align_both_ways(target: str, tau: Mapping[str, float], flags: Mapping[str, A
         return np.where(flags["align"], tau.get("align", OOD_SD["power"]["align"]), 0.0)
     if runtime_log is None:
         return np.zeros(len(flags["align"]))
-    both = tau.get("align", OOD_SD[target]["align"]) * _work_share(runtime_log)
-    return np.where(flags["align"] & flags["align_seen"], both, 0.0)
+    return np.where(flags["align"] & flags["align_seen"],
+                    _align_spread(target, tau, runtime_log), 0.0)
 
 
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],

@@ -28,6 +28,7 @@ from gemmd.model.domain import (
     domain_flags,
     domain_record,
     widen,
+    work_share,
 )
 from gemmd.model.intervals import (
     MAX_FEATURES,
@@ -42,7 +43,7 @@ from gemmd.model.offsets import (
     _robust_offsets,
     level_n0,
 )
-from gemmd.model.space import LAUNCH_S, runtime_reference, to_model_space
+from gemmd.model.space import runtime_reference, to_model_space
 
 VALIDATION_TREES = 20  # trees of each forest fitted to validate (leave-one-GPU-out, sizes)
 VALIDATION_TRAIN_MAX = 5_000  # configurations such a forest is fitted on, at most
@@ -259,8 +260,7 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     mu, sd = fold.raw_logs(te, scaled=False)["runtime"]
     mu = _clip_logs("runtime", te, mu)
     r = np.log(te["runtime_s"]) - mu
-    share = np.clip(1.0 - LAUNCH_S / np.exp(mu), 1e-3, 1.0)
-    need = np.where(r > 0, _need(r, sd * scale, z, share), 0.0)
+    need = np.where(r > 0, _need(r, sd * scale, z, np.maximum(work_share(mu), 1e-3)), 0.0)
     return float(np.clip(conformal_quantile(need[np.isfinite(need)], cfg.interval),
                          SIZE_SD_FLOOR, 3.0))
 
