@@ -449,9 +449,9 @@ def main() -> int:
         print("bench/transfer.py: --holdout-only and --holdout-per-dtype need --holdout FILE",
               file=sys.stderr)
         return 2
-    if args.holdout and (args.defaults or args.coverage_only):
+    if args.holdout and (args.defaults or args.coverage_only or args.align):
         print("bench/transfer.py: --holdout is judged by the transfer part; not with "
-              "--defaults or --coverage-only", file=sys.stderr)
+              "--defaults, --coverage-only or --align", file=sys.stderr)
         return 2
     if args.data is None or not (args.data / "gpperf").is_dir():
         print("bench/transfer.py: shared datasets not found (../shared/data or --data); "

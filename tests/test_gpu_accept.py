@@ -219,6 +219,7 @@ def test_the_random_sweep_draws_seeded_shapes_half_of_them_unaligned(tmp_path):
     (None, ["--holdout"], "cannot read"),
     (None, ["--holdout-only"], "need --holdout FILE"),
     ("x,y\n", ["--defaults", "--holdout"], "not with --defaults"),
+    ("x,y\n", ["--align", "--holdout"], "--coverage-only or --align"),
 ])
 def test_the_transfer_bench_refuses_a_bad_holdout_in_one_line(tmp_path, content, args, says):
     """bench/transfer.py --holdout: a file it cannot use, or options that need one, stop
