@@ -278,7 +278,8 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
         ood = prior.meta.get("ood_sd", {}).get("runtime", {})
         print(f"  prior {'+'.join(members)}: {fit_s:.1f} s, w, a = {logo.get('w')}, "
               f"{logo.get('a')}, level worth {logo.get('level_n0_by_n') or logo.get('level_n0')} "
-              f"probes (per number of probes), a new kernel's scatter {ood.get('scatter')}, "
+              f"probes (per number of probes), the scatter guess worth "
+              f"{logo.get('resid_dof0_by_n')}, a new kernel's scatter {ood.get('scatter')}, "
               f"unaligned shapes' upward spread {ood.get('align')}", file=sys.stderr, flush=True)
         for g in targets:
             tg = holdout[g] if g in holdout else G[g]
@@ -328,7 +329,7 @@ def defaults(G: dict[str, Table], cfg: ModelConfig, seeds: int) -> dict:
     runs = [_validate_calibration(resid, RESID_SD0, seed, cfg.interval)
             for seed in range(seeds)]
     chosen = {n: max(r[0][n] for r in runs) for n in runs[0][0]}
-    for seed, (n0s, gain, scale, _) in enumerate(runs):
+    for seed, (n0s, gain, scale, _, _) in enumerate(runs):
         print(f"  seed {seed}: level worth {n0s} probes, error against none {gain}, "
               f"interval scale {scale}", file=sys.stderr)
     return {"runs": runs, "level_n0_by_n": chosen}

@@ -22,10 +22,12 @@ from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
 from gemmd.model.offsets import (
     LEVEL_N0_DEFAULT_BY_N,
+    RESID_DOF0,
     _robust_offsets,
     group_n0,
     interval_scale,
     level_n0,
+    resid_dof0,
 )
 from gemmd.model.persistence import MODEL_FORMAT
 from gemmd.model.space import LAUNCH_S, runtime_reference
@@ -42,7 +44,9 @@ from gemmd.model.validation import (
     LEVEL_N0_GRID,
     LOGO_MAX_GPUS,
     LOGO_TRUST_GPUS,
+    RESID_DOF0_GRID,
     _choose_transfer,
+    _dof0_choice,
     _validate_calibration,
 )
 from gemmd.registry import ModelRegistry
@@ -510,7 +514,7 @@ def test_the_level_worth_is_validated_per_number_of_probes():
     rng = np.random.default_rng(0)
     off = (0.6 + rng.normal(0, 0.1, 400), np.array(["bf16/blas"] * 400, dtype=object))
     heavy = (rng.standard_t(2, 400) * 0.35, np.array(["bf16/blas"] * 400, dtype=object))
-    n0s, gain, _, _ = _validate_calibration([off, heavy], 0.3, 0)
+    n0s, gain, _, _, _ = _validate_calibration([off, heavy], 0.3, 0)
     assert set(n0s) == {str(n) for n in CAL_PROBES} and set(n0s.values()) <= set(LEVEL_N0_GRID)
     for n, r in ((5, heavy[0]), (5, off[0]), (50, heavy[0])):
         tau = 0.3 / np.sqrt(n0s[str(n)])
@@ -561,7 +565,7 @@ def test_a_dtype_whose_offset_moves_between_gpus_gets_its_own_worth():
         [(["bf16/blas", "tf32/blas"], [0.85, 0.15])]
     for seed in (3, 4):
         resid = _resid(seed, three, {"tf32/blas": (0.8, -0.7, 0.9)})
-        n0s, gain, _, own = _validate_calibration(resid, 0.3, 0, groups=True)
+        n0s, gain, _, own, _ = _validate_calibration(resid, 0.3, 0, groups=True)
         assert n0s["5"] >= 32 and own["tf32/blas"]["5"] <= 4
         assert set(own["tf32/blas"]) == set(n0s)
         assert all(own.get(g, {}).get("5", n0s["5"]) == n0s["5"]
@@ -573,7 +577,7 @@ def test_a_dtype_whose_offset_moves_between_gpus_gets_its_own_worth():
              (["bf16/blas", "tf32/blas"], [0.85, 0.15])]
     resid = _resid(4, mixed, {"tf32/blas": (0.8, -0.7, 0.9), "fp8/blas": (-0.8, 0.7, 0),
                               "fp32/blas": (0.9, 0, 0)})
-    n0s, _, _, own = _validate_calibration(resid, 0.3, 0, groups=True)
+    n0s, _, _, own, _ = _validate_calibration(resid, 0.3, 0, groups=True)
     assert n0s["5"] >= 32 and own["tf32/blas"]["5"] <= 4
     assert "fp8/blas" not in own and "fp32/blas" not in own
 
@@ -589,9 +593,9 @@ def test_the_groups_own_worth_is_stored_at_fit_time_and_served(monkeypatch):
 
     def spy(resid, s0, seed, interval=0.9, groups=False):
         asked[len(asked)] = groups
-        n0s, gain, scale, own = real(resid, s0, seed, interval, groups)
+        n0s, gain, scale, own, dof0 = real(resid, s0, seed, interval, groups)
         return n0s, gain, scale, {"fp16/blas": {"5": 1.0, "20": 1.0, "50": 1.0}} \
-            if groups else own
+            if groups else own, dof0
     monkeypatch.setattr(validation, "_validate_calibration", spy)
     fitted = ForestModel.fit_table(features.concat(fleet_rows()), CFG)
     monkeypatch.undo()
@@ -653,8 +657,8 @@ def test_the_calibrated_interval_is_scaled_as_leave_one_gpu_out_found(fleet):
     g = np.array(["bf16/blas"] * 400, dtype=object)
     calm = [(0.4 + rng.normal(0, 0.05, 400), g), (-0.3 + rng.normal(0, 0.05, 400), g)]
     wild = [(0.4 + rng.standard_t(2, 400) * 0.5, g), (rng.standard_t(2, 400) * 0.5, g)]
-    _, _, narrow, _ = _validate_calibration(calm, 0.3, 0)
-    _, _, wide, _ = _validate_calibration(wild, 0.3, 0)
+    _, _, narrow, _, _ = _validate_calibration(calm, 0.3, 0)
+    _, _, wide, _, _ = _validate_calibration(wild, 0.3, 0)
     assert set(narrow) == {str(n) for n in CAL_PROBES}
     assert all(v < 0.9 for v in narrow.values())
     assert wide["5"] > 1.1  # (from more probes the posterior's own scatter learns it)
@@ -672,6 +676,49 @@ def test_the_calibrated_interval_is_scaled_as_leave_one_gpu_out_found(fleet):
         r = TransferModel.fit(m, probes, CFG, select=False).predict_table(test)["runtime"]
         half[s] = np.log(r["hi"] / r["point"])
     assert np.allclose(half[0.8], 0.8 * half[None], rtol=1e-6)
+
+
+def test_the_scatter_guess_weighs_what_leave_one_gpu_out_found(fleet):
+    """How much the scatter guessed before a new GPU's probes counts against theirs is
+    what leaves each held-out GPU's simulated calibrations nearest the nominal coverage
+    (before: 3 probes' worth always; the H200's probes, scattering 0.05 about their
+    offsets, were given 0.23 and 99-100% of its shapes fell inside at 5 probes). Held-out
+    GPUs that scatter unlike each other choose a light guess, and the coverage of each
+    lies nearer the nominal for it; the choice is served per number of probes, from
+    RESID_DOF0 at one probe (half a probe's worth there is a Student-t on half a degree of
+    freedom); without the evidence, RESID_DOF0."""
+    rng = np.random.default_rng(1)
+    g = np.array(["bf16/blas"] * 400, dtype=object)
+    mixed = [(0.3 + rng.normal(0, 0.04, 400), g), (-0.2 + rng.normal(0, 0.5, 400), g),
+             (rng.normal(0, 0.3, 400), g)]
+    *_, dof0 = _validate_calibration(mixed, 0.3, 0)
+    assert set(dof0) == {str(n) for n in CAL_PROBES} and dof0["5"] < RESID_DOF0
+    # the choice: each GPU's coverage at the one pooled scale, nearest the nominal
+    base = rng.uniform(0, 1.0, 2000)
+    needs = {d: [base, base] if d == 1.0 else [0.6 * base, 1.4 * base]
+             for d in RESID_DOF0_GRID}
+    assert _dof0_choice(needs, 0.9) == 1.0
+    same = dict.fromkeys(RESID_DOF0_GRID, [base, 1.2 * base])
+    assert _dof0_choice(same, 0.9) == RESID_DOF0  # among equals, the default
+    # served, interpolated in log probes
+    rec = {"resid_dof0_by_n": {"5": 0.5, "20": 2.0, "50": 2.0}}
+    assert resid_dof0(rec, 5) == 0.5 and resid_dof0(rec, 1) == RESID_DOF0
+    assert resid_dof0(rec, 10) == pytest.approx(1.25) and resid_dof0(rec, 400) == 2.0
+    assert resid_dof0({}, 5) == RESID_DOF0
+    # a calibration on a GPU model the prior never saw: probes that scatter 0.01 about
+    # the prior narrow the interval as far as the weight lets them
+    probes, test = rows(H100, 5, 90, 0.45), rows(H100, 200, 91, 0.45)
+    probes.cols["runtime_s"] = fleet.predict_table(probes)["runtime"]["point"] * \
+        np.exp(rng.normal(0, 0.01, len(probes)))
+    half = {}
+    for d in (RESID_DOF0, 0.5):
+        m = ForestModel(fleet.forests, fleet.sigma, fleet.z, copy.deepcopy(fleet.meta))
+        m.meta["logo"]["runtime"]["resid_dof0_by_n"] = {"5": d, "20": d, "50": d}
+        cal = calibrate(m, probes)[H100.uuid]
+        assert cal.dof["runtime"] == d + 4
+        r = TransferModel.fit(m, probes, CFG, select=False).predict_table(test)["runtime"]
+        half[d] = float(np.median(np.log(r["hi"] / r["point"])))
+    assert half[0.5] < 0.85 * half[RESID_DOF0]
 
 
 def test_out_of_fold_errors_narrow_an_interval_only_when_they_are_sure():

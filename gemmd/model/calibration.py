@@ -26,6 +26,7 @@ from gemmd.model.offsets import (
     group_n0,
     interval_scale,
     level_n0,
+    resid_dof0,
 )
 from gemmd.model.repeats import shape_hashes
 
@@ -131,13 +132,20 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             b, cg = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g)
             resid = e - b - cg[gi]
             mine = ~new_kernel[gi]
-            dof = RESID_DOF0 + max(int(mine.sum()) - 1, 0)
-            s2 = (RESID_DOF0 * s0**2 + float(np.sum(resid[mine] ** 2))) / dof
+            # the scatter guess s0 against the probes' own: as leave-one-GPU-out chose
+            # on a GPU model the prior never saw
+            dof0 = resid_dof0(rec_logo, n_shapes) if unknown else RESID_DOF0
+            dof = dof0 + max(int(mine.sum()) - 1, 0)
+            s2 = (dof0 * s0**2 + float(np.sum(resid[mine] ** 2))) / dof
             for i in np.flatnonzero(new_kernel):
                 r_g = resid[gi == i]
                 cal.group_scatter.setdefault(target, {})[str(names[i])] = math.sqrt(
                     (RESID_DOF0 * s_new**2 + float(np.sum(r_g**2))) /
                     (RESID_DOF0 + len(r_g)))
+                # its interval's Student-t as judged before the weight was validated (the
+                # simulated calibrations judged the kernels the prior ran, not this one)
+                cal.group_dof.setdefault(target, {})[str(names[i])] = \
+                    RESID_DOF0 + max(int(mine.sum()) - 1, 0)
             cal.level[target] = b
             cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, cg)}
             cal.counts[target] = {str(nm): int(v) for nm, v in zip(names, n_g)}

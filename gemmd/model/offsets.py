@@ -76,6 +76,21 @@ def interval_scale(rec: Mapping[str, Any], probes: float) -> float:
                            [v for _, v in ns]))
 
 
+def resid_dof0(rec: Mapping[str, Any], probes: float) -> float:
+    """The weight in probes of the scatter guessed before a new GPU's probes, on a GPU
+    model the prior never saw, for ``probes`` probes: leave-one-GPU-out's choice at that
+    many (interpolated as interval_scale, from RESID_DOF0 at one probe unless it judged
+    one); RESID_DOF0 without that evidence."""
+    by_n = rec.get("resid_dof0_by_n") or {}
+    if not by_n:
+        return RESID_DOF0
+    # below the fewest it judged, toward RESID_DOF0 at one probe: a weight of 0.5 at one
+    # probe is a Student-t on half a degree of freedom, an interval of decades
+    ns = sorted({1.0: RESID_DOF0, **{float(k): float(v) for k, v in by_n.items()}}.items())
+    return float(np.interp(math.log(max(probes, 1.0)), [math.log(k) for k, _ in ns],
+                           [v for _, v in ns]))
+
+
 @dataclass
 class DeviceCalibration:
     """How one device departs from the prior, from its probes (log space, per target)."""
@@ -94,6 +109,8 @@ class DeviceCalibration:
     # per target and group of a kernel the prior never saw: that group's own scatter
     # (its efficiency may vary with size as no other kernel's does)
     group_scatter: dict[str, dict[str, float]] = field(default_factory=dict)
+    # and the degrees of freedom of its interval's Student-t
+    group_dof: dict[str, dict[str, float]] = field(default_factory=dict)
     # per target, on a GPU model the prior never saw: the factor on the interval that
     # leave-one-GPU-out's simulated calibrations found to hold the nominal share
     # (interval_scale; not on a kernel the prior never saw, which they did not judge)
@@ -101,6 +118,11 @@ class DeviceCalibration:
     # whose measurements the probes were (features.row_sources), where all say the same:
     # what a prediction for this device that names no source is taken to be about
     source: str = ""
+
+    def t_dof(self, target: str, group: str) -> float:
+        """Degrees of freedom of the Student-t interval of ``group``'s predictions: its
+        own scatter's where it has one, else the device's."""
+        return self.group_dof.get(target, {}).get(group, self.dof[target])
 
     def offset(self, target: str, group: str) -> float:
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)

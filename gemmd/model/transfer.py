@@ -433,8 +433,9 @@ class TransferModel:
                 extra_sz = beyond_prior[idx] ** 2
                 on_prior[idx] = True
                 sd[idx] = np.sqrt(var + extra_sz) * c
-                zrow[idx] = _t_quantile(cal.dof[target], 0.5 + float(
-                    self.meta.get("interval", 0.9)) / 2)
+                ug, gi = np.unique(groups[idx].astype(str), return_inverse=True)
+                zrow[idx] = np.array([_t_quantile(cal.t_dof(target, g), 0.5 + float(
+                    self.meta.get("interval", 0.9)) / 2) for g in ug])[gi.ravel()]
                 if blend and len(b_rows):
                     lam = self.blend[target]
                     own_sd = np.sqrt(var + extra_sz)[np.isin(idx, b_rows)]

@@ -370,7 +370,7 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
     gpu_sd = _weighted_conformal_quantile(np.concatenate(needs), np.concatenate(weights),
                                           cfg.interval)
     shape_sd = float(np.median(spreads)) or RESID_SD0
-    n0s, gain, cal_scale, group_n0s = _validate_calibration(
+    n0s, gain, cal_scale, group_n0s, dof0s = _validate_calibration(
         [(yt - cands[best], g) for (yt, cands, _, _), g in zip(folds, fold_groups)],
         shape_sd, cfg.seed, cfg.interval, groups=target == "runtime")
     return {"w": best[0], "a": best[1], "gpus": gpus,
@@ -381,7 +381,7 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
             "shape_sd": shape_sd, "gpu_sd": float(np.clip(gpu_sd, 0.02, 3.0)),
             "level_n0": n0s.get(str(CAL_PROBES[0]), level_n0({}, CAL_PROBES[0], target)),
             "level_n0_by_n": n0s, "group_n0_by_n": group_n0s, "calibration_gain": gain,
-            "interval_scale_by_n": cal_scale}
+            "interval_scale_by_n": cal_scale, "resid_dof0_by_n": dof0s}
 
 
 # How many probes' worth the prior's level counts for against a new GPU's own
@@ -410,20 +410,30 @@ GROUP_N0_GRID = (1.0, 4.0)
 CAL_PROBES = (5, 20, 50)
 CAL_DRAWS = 20
 CAL_SCALE_MIN, CAL_SCALE_MAX = 0.5, 2.0  # the validated interval scale, within these
+# The weight in probes of the scatter guessed before a new GPU's probes (the held-out
+# GPUs' median, s0) against the probes' own, the candidates: the one whose simulated
+# calibrations leave each held-out GPU's coverage nearest the nominal (one scale serves
+# all GPUs; how much the probes' scatter counts decides which GPU gets how wide an
+# interval). On the shared data 0.5 at 5 probes for four of the five priors (mean
+# distance 2.3-2.9 -> 0.3-1.4 points; the prior without the H100 chose 3): a GPU whose
+# probes scatter 0.05 around their offsets was given 0.23 by the guess worth 3 probes.
+RESID_DOF0_GRID = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
 
 
 def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: float,
                           seed: int, interval: float = 0.9, groups: bool = False
                           ) -> tuple[dict[str, float], dict[str, float], dict[str, float],
-                                     dict[str, dict[str, float]]]:
+                                     dict[str, dict[str, float]], dict[str, float]]:
     """({probes: the chosen pseudo-count of LEVEL_N0_GRID}, {probes: mean error relative
     to none at that choice}, {probes: the interval scale at that choice}, {dtype/kernel
-    group: {probes: its own pseudo-count}}) from each held-out GPU's log residuals
+    group: {probes: its own pseudo-count}}, {probes: the scatter guess's weight of
+    RESID_DOF0_GRID}) from each held-out GPU's log residuals
     (measured minus predicted, as carried over) and dtype/kernel group per row:
     calibrate's level and group offsets, each with that pseudo-count, on random rows of
     the GPU, judged on all of its rows; the scale is what the calibrated prior's
     posterior interval (DeviceCalibration.variance, Student-t) needs to hold the nominal
-    share of those rows (_calibration_scale). With ``groups``, each group of at least two
+    share of those rows (_calibration_scale) with the scatter's weight that leaves each
+    GPU's share nearest it (_dof0_choice). With ``groups``, each group of at least two
     held-out GPUs, a minority of each one's rows, is then judged on its own at that level
     (GROUP_N0_GRID, the others' offsets as uncertain as the level; the level's among
     equals), kept where it chose otherwise and the choices together leave no held-out GPU
@@ -446,11 +456,12 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
                             [rng.choice(len(r), n, replace=False) for _ in range(CAL_DRAWS)]))
 
     def run(per_gpu: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]],
-            n0: float, own: Mapping[str, float], need: bool = False
-            ) -> tuple[list[float], list[np.ndarray]]:
+            n0: float, own: Mapping[str, float], need: bool = False,
+            dof0: float = RESID_DOF0) -> tuple[list[float], list[np.ndarray]]:
         """Per held-out GPU: the mean error relative to none of calibrations with the
         level's pseudo-count ``n0`` and the groups' ``own`` (else n0); with ``need``,
-        what each row's interval must be scaled by."""
+        what each row's interval (the scatter guess worth ``dof0`` probes) must be
+        scaled by."""
         tau = s0 / math.sqrt(n0)
         ratios, needs = [], []
         for r, g_all, names_all, draws in per_gpu:
@@ -465,7 +476,7 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
                 errs.append(float(np.mean(np.abs(np.expm1(shift[g_all] - r)))))
                 if need:
                     nd.append(_calibration_need(r, g_all, idx, b + cg[gi.ravel()], shift,
-                                                s0, tau, interval, tau_all))
+                                                s0, tau, interval, tau_all, dof0))
             ratios.append(float(np.mean(errs)) / float(np.mean(np.abs(np.expm1(-r)))))
             needs.append(np.concatenate(nd) if need else np.empty(0))
         return ratios, needs
@@ -484,6 +495,7 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
     gain: dict[str, float] = {}
     scale: dict[str, float] = {}
     own_by_n: dict[str, dict[str, float]] = {}
+    dof0_by_n: dict[str, float] = {}
     for n, per_gpu in gpus.items():
         if not per_gpu:
             continue
@@ -517,30 +529,46 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
             own = {}
             ratios, needs = run(per_gpu, n0, own, need=True)
         chosen[str(n)], gain[str(n)] = n0, float(np.mean(ratios))
-        scale[str(n)] = _calibration_scale(needs, interval)
+        by_dof0 = {d: needs if d == RESID_DOF0 else run(per_gpu, n0, own, True, d)[1]
+                   for d in RESID_DOF0_GRID}
+        dof0_by_n[str(n)] = _dof0_choice(by_dof0, interval)
+        scale[str(n)] = _calibration_scale(by_dof0[dof0_by_n[str(n)]], interval)
         for nm, g0 in own.items():
             own_by_n.setdefault(nm, {})[str(n)] = g0
     # a group that chose its own at some counts keeps the level's at the others
     for by_n in own_by_n.values():
         for k, v in chosen.items():
             by_n.setdefault(k, v)
-    return chosen, gain, scale, own_by_n
+    return chosen, gain, scale, own_by_n, dof0_by_n
+
+
+def _dof0_choice(needs: Mapping[float, Sequence[np.ndarray]], interval: float) -> float:
+    """Of the scatter guess's weights (``needs``: per weight, each held-out GPU's rows'
+    need), the one whose pooled scale (_calibration_scale) leaves the GPUs' coverage
+    nearest the nominal on average (to 0.1 points; among equals RESID_DOF0's, else the
+    heavier guess)."""
+    def spread(d: float) -> tuple[float, bool, float]:
+        q = _calibration_scale(needs[d], interval)
+        dev = np.mean([abs(float(np.mean(x <= q)) - interval) for x in needs[d]])
+        return round(float(dev), 3), d != RESID_DOF0, -d
+    return min(needs, key=spread)
 
 
 def _calibration_need(r: np.ndarray, g_all: np.ndarray, idx: np.ndarray, fit: np.ndarray,
                       shift: np.ndarray, s0: float, tau: float, interval: float,
-                      tau_g: np.ndarray | None = None) -> np.ndarray:
+                      tau_g: np.ndarray | None = None, dof0: float = RESID_DOF0
+                      ) -> np.ndarray:
     """Per row of a held-out GPU: its distance from the calibration on the rows ``idx``
     (offsets ``shift`` per group; ``fit`` at the probes) over the half-width of the
     interval calibrate gives it (DeviceCalibration.variance: the scatter after the
-    offsets, a Student-t on RESID_DOF0 + probes - 1 degrees of freedom, the offsets'
-    uncertainty, a group's prior spread where no probe covers it: ``tau_g`` per group,
-    else ``tau``)."""
+    offsets with the guess ``s0`` worth ``dof0`` probes, a Student-t on dof0 + probes - 1
+    degrees of freedom, the offsets' uncertainty, a group's prior spread where no probe
+    covers it: ``tau_g`` per group, else ``tau``)."""
     from scipy.stats import t as student_t
 
     n = len(idx)
-    dof = RESID_DOF0 + max(n - 1, 0)
-    s2 = (RESID_DOF0 * s0**2 + float(np.sum((r[idx] - fit) ** 2))) / dof
+    dof = dof0 + max(n - 1, 0)
+    s2 = (dof0 * s0**2 + float(np.sum((r[idx] - fit) ** 2))) / dof
     n_g = np.bincount(g_all[idx], minlength=len(shift))[g_all].astype(float)
     tg = np.full(len(shift), tau) if tau_g is None else tau_g
     tr = tg[g_all]
