@@ -684,9 +684,9 @@ def test_the_scatter_guess_weighs_what_leave_one_gpu_out_found(fleet):
     (before: 3 probes' worth always; the H200's probes, scattering 0.05 about their
     offsets, were given 0.23 and 99-100% of its shapes fell inside at 5 probes). Held-out
     GPUs that scatter unlike each other choose a light guess, and the coverage of each
-    lies nearer the nominal for it; the choice is served per number of probes, from
-    RESID_DOF0 at one probe (half a probe's worth there is a Student-t on half a degree of
-    freedom); without the evidence, RESID_DOF0."""
+    lies nearer the nominal for it; the choice is served per number of probes (one probe
+    judged too: half a probe's worth there is a Student-t on half a degree of freedom);
+    without the evidence, RESID_DOF0."""
     rng = np.random.default_rng(1)
     g = np.array(["bf16/blas"] * 400, dtype=object)
     mixed = [(0.3 + rng.normal(0, 0.04, 400), g), (-0.2 + rng.normal(0, 0.5, 400), g),
@@ -701,8 +701,8 @@ def test_the_scatter_guess_weighs_what_leave_one_gpu_out_found(fleet):
     same = dict.fromkeys(RESID_DOF0_GRID, [base, 1.2 * base])
     assert _dof0_choice(same, 0.9) == RESID_DOF0  # among equals, the default
     # served, interpolated in log probes
-    rec = {"resid_dof0_by_n": {"5": 0.5, "20": 2.0, "50": 2.0}}
-    assert resid_dof0(rec, 5) == 0.5 and resid_dof0(rec, 1) == RESID_DOF0
+    rec = {"resid_dof0_by_n": {"1": 3.0, "5": 0.5, "20": 2.0, "50": 2.0}}
+    assert resid_dof0(rec, 5) == 0.5 and resid_dof0(rec, 1) == resid_dof0(rec, 0) == 3.0
     assert resid_dof0(rec, 10) == pytest.approx(1.25) and resid_dof0(rec, 400) == 2.0
     assert resid_dof0({}, 5) == RESID_DOF0
     # a calibration on a GPU model the prior never saw: probes that scatter 0.01 about
@@ -719,6 +719,19 @@ def test_the_scatter_guess_weighs_what_leave_one_gpu_out_found(fleet):
         r = TransferModel.fit(m, probes, CFG, select=False).predict_table(test)["runtime"]
         half[d] = float(np.median(np.log(r["hi"] / r["point"])))
     assert half[0.5] < 0.85 * half[RESID_DOF0]
+    # fitted: stored per number of probes and served by the probes of kernels the prior
+    # ran (probes all of a kernel it never ran left its known kernels' interval on half a
+    # degree of freedom: 5e6x wide)
+    stored = fleet.meta["logo"]["runtime"]["resid_dof0_by_n"]
+    assert set(stored) == {str(n) for n in CAL_PROBES}
+    assert set(stored.values()) <= set(RESID_DOF0_GRID)
+    tiled = rows(H100, 5, 84, 0.45 / 3, ("fp32",), kernel="tiled")
+    for p in (tiled, features.concat([tiled, rows(H100, 1, 85, 0.45)])):
+        cal = calibrate(fleet, p)[H100.uuid]
+        assert cal.dof["runtime"] == pytest.approx(
+            resid_dof0(fleet.meta["logo"]["runtime"], len(p) - 5) + max(len(p) - 6, 0))
+        r = TransferModel.fit(fleet, p, CFG, select=False).predict_table(test)["runtime"]
+        assert np.median(r["hi"] / r["point"]) < 5
 
 
 def test_out_of_fold_errors_narrow_an_interval_only_when_they_are_sure():

@@ -133,8 +133,8 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             resid = e - b - cg[gi]
             mine = ~new_kernel[gi]
             # the scatter guess s0 against the probes' own: as leave-one-GPU-out chose
-            # on a GPU model the prior never saw
-            dof0 = resid_dof0(rec_logo, n_shapes) if unknown else RESID_DOF0
+            # on a GPU model the prior never saw, for as many probes of kernels it ran
+            dof0 = resid_dof0(rec_logo, int(mine.sum())) if unknown else RESID_DOF0
             dof = dof0 + max(int(mine.sum()) - 1, 0)
             s2 = (dof0 * s0**2 + float(np.sum(resid[mine] ** 2))) / dof
             for i in np.flatnonzero(new_kernel):

@@ -78,15 +78,13 @@ def interval_scale(rec: Mapping[str, Any], probes: float) -> float:
 
 def resid_dof0(rec: Mapping[str, Any], probes: float) -> float:
     """The weight in probes of the scatter guessed before a new GPU's probes, on a GPU
-    model the prior never saw, for ``probes`` probes: leave-one-GPU-out's choice at that
-    many (interpolated as interval_scale, from RESID_DOF0 at one probe unless it judged
-    one); RESID_DOF0 without that evidence."""
+    model the prior never saw, for ``probes`` probes of kernels it ran: leave-one-GPU-out's
+    choice at that many (interpolated as interval_scale); RESID_DOF0 without that
+    evidence."""
     by_n = rec.get("resid_dof0_by_n") or {}
     if not by_n:
         return RESID_DOF0
-    # below the fewest it judged, toward RESID_DOF0 at one probe: a weight of 0.5 at one
-    # probe is a Student-t on half a degree of freedom, an interval of decades
-    ns = sorted({1.0: RESID_DOF0, **{float(k): float(v) for k, v in by_n.items()}}.items())
+    ns = sorted((float(k), float(v)) for k, v in by_n.items())
     return float(np.interp(math.log(max(probes, 1.0)), [math.log(k) for k, _ in ns],
                            [v for _, v in ns]))
 
@@ -120,8 +118,9 @@ class DeviceCalibration:
     source: str = ""
 
     def t_dof(self, target: str, group: str) -> float:
-        """Degrees of freedom of the Student-t interval of ``group``'s predictions: its
-        own scatter's where it has one, else the device's."""
+        """Degrees of freedom of the Student-t interval of ``group``'s predictions: a
+        kernel the prior never ran has its own (as before the scatter guess's weight was
+        validated), else the device's."""
         return self.group_dof.get(target, {}).get(group, self.dof[target])
 
     def offset(self, target: str, group: str) -> float:

@@ -379,7 +379,7 @@ def _validate_transfer(t: Table, X: np.ndarray, gid: np.ndarray, target: str,
             "roofline_mape": dict(zip(gpus, roof_err)) if target == "runtime" else {},
             "level_sd": float(np.sqrt(np.mean(np.square(levels)))),
             "shape_sd": shape_sd, "gpu_sd": float(np.clip(gpu_sd, 0.02, 3.0)),
-            "level_n0": n0s.get(str(CAL_PROBES[0]), level_n0({}, CAL_PROBES[0], target)),
+            "level_n0": n0s.get("5", level_n0({}, 5, target)),
             "level_n0_by_n": n0s, "group_n0_by_n": group_n0s, "calibration_gain": gain,
             "interval_scale_by_n": cal_scale, "resid_dof0_by_n": dof0s}
 
@@ -407,7 +407,9 @@ LEVEL_N0_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 # four, tf32 gets 1, bf16 4 at 20 and 50 probes (the level 32, 64). The H200, which no
 # prior here saw, has tf32 at +0.165 (bench/RESULTS.md, the ninth session).
 GROUP_N0_GRID = (1.0, 4.0)
-CAL_PROBES = (5, 20, 50)
+# (1: what the first probes are served with, the scatter guess's weight above all: at half a
+# probe's worth one probe's Student-t has half a degree of freedom)
+CAL_PROBES = (1, 5, 20, 50)
 CAL_DRAWS = 20
 CAL_SCALE_MIN, CAL_SCALE_MAX = 0.5, 2.0  # the validated interval scale, within these
 # The weight in probes of the scatter guessed before a new GPU's probes (the held-out
@@ -440,6 +442,9 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
     worse than none (or than the level alone left it, where that was worse). Empty where
     no GPU has 2 x the probes."""
     rng = np.random.default_rng(seed)
+    # one probe's draws from a generator of their own: the others' are as before it was
+    # judged (a choice among 20 draws moves with them)
+    rng1 = np.random.default_rng((seed, 1))
     # probes -> per held-out GPU: residuals, group index per row, group names, draws
     gpus: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]]] = {
         n: [] for n in CAL_PROBES}
@@ -452,8 +457,9 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
         for n in CAL_PROBES:
             if len(r) < 2 * n:
                 continue
+            gen = rng1 if n == 1 else rng
             gpus[n].append((r, g_all.ravel(), names_all,
-                            [rng.choice(len(r), n, replace=False) for _ in range(CAL_DRAWS)]))
+                            [gen.choice(len(r), n, replace=False) for _ in range(CAL_DRAWS)]))
 
     def run(per_gpu: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]],
             n0: float, own: Mapping[str, float], need: bool = False,
