@@ -111,6 +111,29 @@ def test_a_fleet_that_probed_unaligned_shapes_measures_what_they_cost():
     assert "align" not in default.meta.get("ood_sd", {}).get("runtime", {})
 
 
+def test_a_gpu_never_trained_on_is_widened_upward_whoever_ran_unaligned_shapes():
+    """A GPU model the prior never saw is predicted by the transfer estimate, which
+    carries no alignment even where another GPU model's unaligned rows of the dtype taught
+    the forest their cost: its unaligned shapes are out of the domain and widened upward
+    (before: taken as trained on; the H200's unaligned fp16 under the B200's rows were
+    4.6x slower than predicted and 8% covered). A GPU model trained aligned beside that
+    other one keeps both ends widened (the forest may carry the cost there)."""
+    fleet = features.concat([gemms(A100, 300, 11), gemms(A100, 150, 12, odd=True),
+                             gemms(H100, 300, 13)])
+    model = ForestModel.fit_table(fleet, CFG)
+    new = datasets.KNOWN_GPUS["b200"]
+    odd = gemms(new, 200, 15, odd=True)
+    res = model.predict_table(odd)["runtime"]
+    assert all(r.endswith("M, N, K aligned to 2 B, trained on >= 16 B") for r in res["domain"])
+    up, down = np.log(res["hi"] / res["point"]), np.log(res["point"] / res["lo"])
+    assert np.all(up > down + 0.1)
+    y = odd["runtime_s"]
+    assert np.mean((res["lo"] <= y) & (y <= res["hi"])) >= 0.85
+    known = model.predict_table(gemms(H100, 50, 14, odd=True))["runtime"]
+    assert np.allclose(np.log(known["hi"] / known["point"]),
+                       np.log(known["point"] / known["lo"]), rtol=1e-6)
+
+
 def rounded(t: Table) -> Table:
     """The same GEMMs with M, N, K rounded down to a multiple of 8 (16 bytes in bf16)."""
     out = copy.deepcopy(t)

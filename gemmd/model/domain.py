@@ -5,6 +5,7 @@ to_predictions)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ ALIGN_BYTES = 16
 # what unaligned shapes cost from one or three of them (fitted with 1 or 3 of them beside
 # aligned ones, its intervals held none of a 3x slower unaligned set; 10: 83%).
 ALIGN_MIN_ROWS = 10
+ALIGN_LOG2 = math.log2(ALIGN_BYTES)
 ALIGN_UPWARD = ("runtime", "energy")  # targets an unaligned GEMM only raises (align_widening)
 
 # No interval narrower than this (log space, about +-0.8% at 90%): repeated GEMMs on a
@@ -245,14 +247,19 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
             out["size"][sel] = dist
             out["size_by"][sel] = np.maximum(beyond, 0.0)
         anywhere = rec.get("align", {}).get(dtype)  # over all GPU models
+        # a GPU model never trained on is predicted by the transfer estimate (the
+        # roofline estimate and a level), which carries no alignment whatever other GPU
+        # models' rows taught the forest: below 16 bytes it is out of the domain (the
+        # H200's unaligned fp16 under the B200's: 4.6x slower than predicted, 8% covered)
+        fallback = ALIGN_LOG2 if known is None else anywhere
         least = [x[dtype] for x in ((known or {}).get("align"), more.get("align"))
-                 if x and dtype in x] or ([anywhere] if anywhere is not None else [])
+                 if x and dtype in x] or ([fallback] if anywhere is not None else [])
         if least:  # an older record (no "align") knows every alignment
             low = sel & (aligns < min(least))
             out["align"][low] = True
             # trained on such alignment on another GPU model: the forest may carry its
             # cost here (more or less than this GPU's), not the aligned shapes' level
-            if anywhere is not None:
+            if anywhere is not None and known is not None:
                 out["align_seen"][low & (aligns >= anywhere)] = True
             for i in np.flatnonzero(low):
                 out["reason"][i] = (f"M, N, K aligned to {2 ** aligns[i]:.0f} B, trained "
