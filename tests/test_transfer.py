@@ -522,7 +522,7 @@ def test_the_level_worth_is_validated_per_number_of_probes():
         errs = []
         for _ in range(200):
             idx = draws.choice(len(r), n, replace=False)
-            b, _ = _robust_offsets(r[idx], np.zeros(n, dtype=np.int64), 1, 0.3, tau,
+            b, _, _ = _robust_offsets(r[idx], np.zeros(n, dtype=np.int64), 1, 0.3, tau,
                                    np.array([tau]))
             errs.append(np.mean(np.abs(np.expm1(b - r))))
         assert np.mean(errs) <= 1.02 * np.mean(np.abs(np.expm1(-r))), n

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gemmd.features import Table
-from gemmd.model.domain import OOD_SD
+from gemmd.model.domain import ALIGN_LOG2, OOD_SD, align_log2
 
 # A device's first probes correct a prior model fitted on other GPUs (TransferModel): a
 # device-wide offset in log space, then one per dtype/kernel, each shrunk toward the
@@ -109,6 +109,9 @@ class DeviceCalibration:
     group_scatter: dict[str, dict[str, float]] = field(default_factory=dict)
     # and the degrees of freedom of its interval's Student-t
     group_dof: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per target and dtype: what a GEMM aligned below 16 bytes adds on this device
+    # (runtime and energy; the probes at such shapes, shrunk toward none)
+    align_offset: dict[str, dict[str, float]] = field(default_factory=dict)
     # per target, on a GPU model the prior never saw: the factor on the interval that
     # leave-one-GPU-out's simulated calibrations found to hold the nominal share
     # (interval_scale; not on a kernel the prior never saw, which they did not judge)
@@ -123,8 +126,10 @@ class DeviceCalibration:
         validated), else the device's."""
         return self.group_dof.get(target, {}).get(group, self.dof[target])
 
-    def offset(self, target: str, group: str) -> float:
-        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0)
+    def offset(self, target: str, group: str, unaligned: bool = False) -> float:
+        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + (
+            self.align_offset.get(target, {}).get(group.split("/")[0], 0.0) if unaligned
+            else 0.0)
 
     def variance(self, target: str, group: str, unseen_sd: float | None = None) -> float:
         """Variance of a new measurement around the calibrated prediction (log space).
@@ -145,35 +150,52 @@ class DeviceCalibration:
         return var if own is not None else var * self.scale.get(target, 1.0) ** 2
 
 
+def unaligned(t: Table) -> np.ndarray:
+    """Per row: aligned below 16 bytes (DeviceCalibration.align_offset applies)."""
+    return align_log2(t) < ALIGN_LOG2
+
+
 def _groups(t: Table) -> np.ndarray:
     return np.array([f"{d}/{k}" for d, k in zip(t["dtype"], t["kernel"])], dtype=object)
 
 
 def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b: float,
                     tau_g: np.ndarray, u: np.ndarray | None = None,
-                    s0_g: np.ndarray | None = None, k: float = 1.345
-                    ) -> tuple[float, np.ndarray]:
+                    s0_g: np.ndarray | None = None, k: float = 1.345,
+                    ai: np.ndarray | None = None, tau_a: float = 1.0
+                    ) -> tuple[float, np.ndarray, np.ndarray]:
     """Level b and group offsets with e ~ b + cg[gi] + noise: each shrunk toward 0 (the
     prior) by its prior spread, and Huber-weighted, so that one launch-bound or
     thermally throttled probe among five does not move a device's whole calibration.
     ``u``: each probe's weight in the level (1 / probes of its shape: the dtypes of one
     shape share its error, they are one piece of evidence about the level, not
-    several). ``s0_g``: each group's prior scatter where it is not ``s0``."""
+    several). ``s0_g``: each group's prior scatter where it is not ``s0``. ``ai``: per
+    probe, the index of its dtype's unaligned offset (-1 where aligned to 16 bytes), each
+    shrunk toward none by ``tau_a``: an unaligned probe's loss is its own, not the
+    device's level (returned third, per index)."""
     s0_g = np.full(groups, s0) if s0_g is None else s0_g
     u = np.ones(len(e)) if u is None else u
+    ai = np.full(len(e), -1) if ai is None else ai
+    un = ai >= 0
     w = np.ones(len(e))
-    b, cg = 0.0, np.zeros(groups)
+    b, cg, ca = 0.0, np.zeros(groups), np.zeros(int(ai.max(initial=-1)) + 1)
     for _ in range(8):
-        for _ in range(3):  # backfitting: the level, then the groups around it
+        for _ in range(3):  # backfitting: the level, then the groups, the unaligned loss
+            sa = np.where(un, ca[np.maximum(ai, 0)] if len(ca) else 0.0, 0.0)
             wu = w * u
-            b = float(np.sum(wu * (e - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
-            cg = np.bincount(gi, weights=w * (e - b), minlength=groups) / \
+            b = float(np.sum(wu * (e - cg[gi] - sa)) / (wu.sum() + s0**2 / tau_b**2))
+            cg = np.bincount(gi, weights=w * (e - b - sa), minlength=groups) / \
                 (np.bincount(gi, weights=w, minlength=groups) + s0_g**2 / tau_g**2)
-        r = e - b - cg[gi]
+            if len(ca):
+                ca = np.bincount(ai[un], weights=(w * (e - b - cg[gi]))[un],
+                                 minlength=len(ca)) / (np.bincount(
+                                     ai[un], weights=w[un], minlength=len(ca)) +
+                                     s0**2 / tau_a**2)
+        r = e - b - cg[gi] - np.where(un, ca[np.maximum(ai, 0)] if len(ca) else 0.0, 0.0)
         mad = 1.4826 * float(np.median(np.abs(r)))
         scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
         # a group expected to scatter more than the others (a kernel the prior never
         # saw) is judged against its own scatter: its probes are not outliers of the rest
         rs = np.where(s0_g[gi] > s0, np.maximum(scale, s0_g[gi]), scale)
         w = np.minimum(1.0, k * rs / np.maximum(np.abs(r), 1e-12))
-    return b, cg
+    return b, cg, ca
