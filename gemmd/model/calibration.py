@@ -186,8 +186,8 @@ def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], 
     groups = _groups(t)
     uuids = [d.uuid for d in t.devices]
     out = {}
+    unal = unaligned(t)
     for target, (mu, _) in logs.items():
-        unal = unaligned(t)
         off = np.array([cals[uuids[int(d)]].offset(target, g, a) if uuids[int(d)] in cals
                         else 0.0 for d, g, a in zip(t.device, groups, unal)])
         out[target] = mu + off

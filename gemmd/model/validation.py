@@ -476,7 +476,7 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
             for idx in draws:
                 present, gi = np.unique(g_all[idx], return_inverse=True)
                 b, cg, _ = _robust_offsets(r[idx], gi.ravel(), len(present), s0, tau,
-                                        tau_all[present])
+                                           tau_all[present])
                 shift = np.full(len(names_all), b)
                 shift[present] += cg
                 errs.append(float(np.mean(np.abs(np.expm1(shift[g_all] - r)))))
