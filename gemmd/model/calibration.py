@@ -134,8 +134,10 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # loss is its dtype's own offset, applied to such rows only (in the level it
             # moved every aligned row: the H200's fp16 at 5 random probes, half unaligned,
             # 82.5% off where none gave 15.1%); power is not shifted that way
+            # (a kernel the prior never ran: its own offset, as wide as such a kernel's,
+            # takes its probes whatever their alignment)
             d_un, ai = np.unique(t["dtype"][sel][ok].astype(str), return_inverse=True)
-            ai = np.where(aligns[sel][ok] < ALIGN_LOG2, ai.ravel(), -1) \
+            ai = np.where((aligns[sel][ok] < ALIGN_LOG2) & ~new_kernel[gi], ai.ravel(), -1) \
                 if target in ALIGN_UPWARD else np.full(len(e), -1)
             b, cg, ca = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g,
                                         ai=ai, tau_a=tau_o.get("align", 1.0))

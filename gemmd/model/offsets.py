@@ -172,7 +172,8 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
     several). ``s0_g``: each group's prior scatter where it is not ``s0``. ``ai``: per
     probe, the index of its dtype's unaligned offset (-1 where aligned to 16 bytes), each
     shrunk toward none by ``tau_a``: an unaligned probe's loss is its own, not the
-    device's level (returned third, per index)."""
+    device's level, and the level and groups are the aligned probes' (returned third,
+    per index)."""
     s0_g = np.full(groups, s0) if s0_g is None else s0_g
     u = np.ones(len(e)) if u is None else u
     ai = np.full(len(e), -1) if ai is None else ai
@@ -181,11 +182,14 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
     b, cg, ca = 0.0, np.zeros(groups), np.zeros(int(ai.max(initial=-1)) + 1)
     for _ in range(8):
         for _ in range(3):  # backfitting: the level, then the groups, the unaligned loss
-            sa = np.where(un, ca[np.maximum(ai, 0)] if len(ca) else 0.0, 0.0)
-            wu = w * u
-            b = float(np.sum(wu * (e - cg[gi] - sa)) / (wu.sum() + s0**2 / tau_b**2))
-            cg = np.bincount(gi, weights=w * (e - b - sa), minlength=groups) / \
-                (np.bincount(gi, weights=w, minlength=groups) + s0_g**2 / tau_g**2)
+            # the level and the groups from aligned probes only: beside an unaligned
+            # offset of its own an unaligned probe cannot tell its loss from the level
+            # (a dtype probed unaligned only left the loss in the level)
+            wa = np.where(un, 0.0, w)
+            wu = wa * u
+            b = float(np.sum(wu * (e - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
+            cg = np.bincount(gi, weights=wa * (e - b), minlength=groups) / \
+                (np.bincount(gi, weights=wa, minlength=groups) + s0_g**2 / tau_g**2)
             if len(ca):
                 ca = np.bincount(ai[un], weights=(w * (e - b - cg[gi]))[un],
                                  minlength=len(ca)) / (np.bincount(
