@@ -12,7 +12,7 @@ from gemmd import datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.model import ForestModel, TransferModel
-from gemmd.model.calibration import calibrate
+from gemmd.model.calibration import _calibrated_logs, calibrate
 from gemmd.model.domain import ALIGN_MIN_ROWS, OOD_SD, align_log2, domain_flags
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
@@ -209,6 +209,10 @@ def test_unaligned_probes_get_their_own_offset_not_the_devices_level(aligned_mod
         == pytest.approx(both.align_offset["runtime"]["bf16"])
     tm = TransferModel.fit(aligned_model, features.concat([al, odd]), CFG, select=False)
     test_al, test_odd = gemms(H100, 100, 32), gemms(H100, 100, 33, odd=True)
+    # the residual trees' base (the calibrated prior's logs) carries it too
+    base = _calibrated_logs(aligned_model, {H100.uuid: both}, test_odd)["runtime"]
+    assert np.allclose(base, aligned_model.prior_logs(test_odd)[0]["runtime"][0] +
+                       both.offset("runtime", "bf16/blas", True))
     ref = TransferModel.fit(aligned_model, al, CFG, select=False).predict_table(test_al)
     got = tm.predict_table(test_al)["runtime"]["point"]
     assert np.allclose(got, ref["runtime"]["point"], rtol=0.03)
