@@ -53,8 +53,9 @@ from gemmd.config import ModelConfig
 from gemmd.errors import GemmdError, InputError
 from gemmd.features import Table, concat
 from gemmd.model import ForestModel
-from gemmd.model.domain import ALIGN_BYTES, align_log2, work_share
+from gemmd.model.domain import work_share
 from gemmd.model.intervals import conformal_quantile
+from gemmd.model.offsets import unaligned as unaligned_rows
 from gemmd.model.validation import _need, _row_gpu_keys, share_cut
 
 GPUS = ("rtx4070", "b200", "h100-sxm", "mi355x")
@@ -174,7 +175,7 @@ def unaligned(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
     quantile at the nominal share over all the rows and over those above 1e6-1e10 FLOPs."""
     out = []
     for g, t in G.items():
-        low = align_log2(t) < np.log2(ALIGN_BYTES)
+        low = unaligned_rows(t)
         if low.sum() < 20 or (~low).sum() < 20:
             continue
         rest = [G[h] for h in G if h != g] + [t.take(np.flatnonzero(~low))]

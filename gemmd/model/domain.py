@@ -252,10 +252,9 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
         # which carries little or none of what other GPU models' unaligned rows taught the
         # forest: below 16 bytes it is out of the domain (the H200's unaligned fp16 under
         # the B200's: 4.6x slower than predicted, 8% covered)
-        fallback = ALIGN_LOG2 if known is None else anywhere
+        fallback = (ALIGN_LOG2 if "align" in rec else None) if known is None else anywhere
         least = [x[dtype] for x in ((known or {}).get("align"), more.get("align"))
-                 if x and dtype in x] or ([fallback] if anywhere is not None or (
-                     known is None and "align" in rec) else [])
+                 if x and dtype in x] or ([fallback] if fallback is not None else [])
         if least:  # an older record (no "align") knows every alignment
             low = sel & (aligns < min(least))
             out["align"][low] = True

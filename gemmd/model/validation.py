@@ -19,12 +19,10 @@ from gemmd.features import Table
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import (
-    ALIGN_BYTES,
     OOD_SD,
     SIZE_MIN_D,
     TRANSFER_GRID,
     _reference_shapes,
-    align_log2,
     domain_flags,
     domain_record,
     widen,
@@ -33,6 +31,7 @@ from gemmd.model.domain import (
 from gemmd.model.intervals import (
     MAX_FEATURES,
     _aggregate,
+    _t_quantile,
     _weighted_conformal_quantile,
     conformal_quantile,
 )
@@ -42,6 +41,7 @@ from gemmd.model.offsets import (
     _groups,
     _robust_offsets,
     level_n0,
+    unaligned,
 )
 from gemmd.model.space import runtime_reference, to_model_space
 
@@ -245,7 +245,7 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     exploration probed unaligned shapes thus measures, for a GPU or dtype whose probes
     were all aligned, what its own GPUs lost. None without such data."""
     ok = np.isfinite(y)
-    low = align_log2(t) < math.log2(ALIGN_BYTES)
+    low = unaligned(t)
     keys = np.char.add(_row_gpu_keys(t).astype(str), np.char.add("/", t["dtype"].astype(str)))
     out = np.zeros(len(t), dtype=bool)
     for k in np.unique(keys[ok & low]):
@@ -570,8 +570,6 @@ def _calibration_need(r: np.ndarray, g_all: np.ndarray, idx: np.ndarray, fit: np
     offsets with the guess ``s0`` worth ``dof0`` probes, a Student-t on dof0 + probes - 1
     degrees of freedom, the offsets' uncertainty, a group's prior spread where no probe
     covers it: ``tau_g`` per group, else ``tau``)."""
-    from scipy.stats import t as student_t
-
     n = len(idx)
     dof = dof0 + max(n - 1, 0)
     s2 = (dof0 * s0**2 + float(np.sum((r[idx] - fit) ** 2))) / dof
@@ -580,7 +578,7 @@ def _calibration_need(r: np.ndarray, g_all: np.ndarray, idx: np.ndarray, fit: np
     tr = tg[g_all]
     var = s2 * (1.0 + 1.0 / (n + s0**2 / tau**2)) + np.where(
         n_g == 0, tr**2, s2 / (n_g + s2 / tr**2))
-    half = float(student_t.ppf(0.5 + interval / 2, dof)) * np.sqrt(var)
+    half = _t_quantile(dof, 0.5 + interval / 2) * np.sqrt(var)
     return np.abs(r - shift[g_all]) / half
 
 
