@@ -462,17 +462,19 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
                             [gen.choice(len(r), n, replace=False) for _ in range(CAL_DRAWS)]))
 
     def run(per_gpu: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]],
-            n0: float, own: Mapping[str, float], need: bool = False,
-            dof0: float = RESID_DOF0) -> tuple[list[float], list[np.ndarray]]:
+            n0: float, own: Mapping[str, float], need: Sequence[float] = ()
+            ) -> tuple[list[float], dict[float, list[np.ndarray]]]:
         """Per held-out GPU: the mean error relative to none of calibrations with the
-        level's pseudo-count ``n0`` and the groups' ``own`` (else n0); with ``need``,
-        what each row's interval (the scatter guess worth ``dof0`` probes) must be
-        scaled by."""
+        level's pseudo-count ``n0`` and the groups' ``own`` (else n0); per weight of the
+        scatter guess in ``need``, what each row's interval must be scaled by (the same
+        calibrations: their offsets do not depend on it)."""
         tau = s0 / math.sqrt(n0)
-        ratios, needs = [], []
+        ratios: list[float] = []
+        needs: dict[float, list[np.ndarray]] = {d: [] for d in need}
         for r, g_all, names_all, draws in per_gpu:
             tau_all = np.array([s0 / math.sqrt(own.get(str(nm), n0)) for nm in names_all])
-            errs, nd = [], []
+            errs: list[float] = []
+            nd: dict[float, list[np.ndarray]] = {d: [] for d in need}
             for idx in draws:
                 present, gi = np.unique(g_all[idx], return_inverse=True)
                 b, cg, _ = _robust_offsets(r[idx], gi.ravel(), len(present), s0, tau,
@@ -480,11 +482,12 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
                 shift = np.full(len(names_all), b)
                 shift[present] += cg
                 errs.append(float(np.mean(np.abs(np.expm1(shift[g_all] - r)))))
-                if need:
-                    nd.append(_calibration_need(r, g_all, idx, b + cg[gi.ravel()], shift,
-                                                s0, tau, interval, tau_all, dof0))
+                for d in need:
+                    nd[d].append(_calibration_need(r, g_all, idx, b + cg[gi.ravel()],
+                                                   shift, s0, tau, interval, tau_all, d))
             ratios.append(float(np.mean(errs)) / float(np.mean(np.abs(np.expm1(-r)))))
-            needs.append(np.concatenate(nd) if need else np.empty(0))
+            for d in need:
+                needs[d].append(np.concatenate(nd[d]))
         return ratios, needs
 
     def best(cands: Sequence[float], ratio: Mapping[float, list[float]],
@@ -529,14 +532,12 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
                 g0 = best(cands, r_g, keep=n0)
                 if g0 != n0:
                     own[nm] = g0
-        ratios, needs = run(per_gpu, n0, own, need=True)
+        ratios, by_dof0 = run(per_gpu, n0, own, RESID_DOF0_GRID)
         # together: no held-out GPU worse than none, or than the level alone left it
         if own and any(a > max(1.0, b) for a, b in zip(ratios, ratio[n0])):
             own = {}
-            ratios, needs = run(per_gpu, n0, own, need=True)
+            ratios, by_dof0 = run(per_gpu, n0, own, RESID_DOF0_GRID)
         chosen[str(n)], gain[str(n)] = n0, float(np.mean(ratios))
-        by_dof0 = {d: needs if d == RESID_DOF0 else run(per_gpu, n0, own, True, d)[1]
-                   for d in RESID_DOF0_GRID}
         dof0_by_n[str(n)] = _dof0_choice(by_dof0, interval)
         scale[str(n)] = _calibration_scale(by_dof0[dof0_by_n[str(n)]], interval)
         for nm, g0 in own.items():
