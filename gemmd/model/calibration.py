@@ -13,7 +13,13 @@ import numpy as np
 from gemmd.features import Table, row_sources
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
-from gemmd.model.domain import ALIGN_LOG2, ALIGN_UPWARD, _least_align, _log2_sizes, align_log2
+from gemmd.model.domain import (
+    ALIGN_LOG2,
+    ALIGN_UPWARD,
+    _least_align,
+    _log2_sizes,
+    align_log2,
+)
 from gemmd.model.forest import ForestModel
 from gemmd.model.offsets import (
     GROUP_SD_KNOWN,
@@ -23,11 +29,12 @@ from gemmd.model.offsets import (
     DeviceCalibration,
     _groups,
     _robust_offsets,
+    aligned_loss,
     group_n0,
     interval_scale,
     level_n0,
     resid_dof0,
-    unaligned,
+    unaligned_work,
 )
 from gemmd.model.repeats import shape_hashes
 
@@ -139,11 +146,19 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             d_un, ai = np.unique(t["dtype"][sel][ok].astype(str), return_inverse=True)
             ai = np.where((aligns[sel][ok] < ALIGN_LOG2) & ~new_kernel[gi], ai.ravel(), -1) \
                 if target in ALIGN_UPWARD else np.full(len(e), -1)
+            # what an unaligned probe's loss slows is its work, not its launch; unless
+            # the dtype's probes say the loss is the whole runtime's (_align_on_work)
+            work = unaligned_work(t, logs)[sel][ok]
             b, cg, ca = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g,
-                                        ai=ai, tau_a=tau_o.get("align", 1.0))
+                                        ai=ai, tau_a=tau_o.get("align", 1.0), work=work)
+            if (ai >= 0).any():
+                on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, _robust_offsets(
+                    e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai,
+                    tau_a=tau_o.get("align", 1.0))[2])
+                cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in set(ai[ai >= 0])}
             cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in set(ai[ai >= 0])}
             resid = e - b - cg[gi]
-            resid[ai >= 0] -= ca[ai[ai >= 0]]
+            resid[ai >= 0] -= aligned_loss(ca[ai[ai >= 0]], work[ai >= 0])
             mine = ~new_kernel[gi]
             # the scatter guess s0 against the probes' own: as leave-one-GPU-out chose
             # on a GPU model the prior never saw, for as many probes of kernels it ran
@@ -181,6 +196,32 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
     return out
 
 
+def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.ndarray,
+                   ca_whole: np.ndarray) -> tuple[list[bool], np.ndarray, np.ndarray]:
+    """Per dtype of the unaligned probes (``ai``; ``d`` their log residuals beyond the
+    level and groups): whether its loss slows the work alone (offset ``ca_work``, the
+    probes' ``work`` shares) or the whole runtime (``ca_whole``): the work, unless
+    MIN_PROBES_IN_DOMAIN probes or more fit the whole runtime's better (median absolute
+    residual). A prior that misses how efficiency grows with size (the roofline estimate
+    of a GPU model it never saw) misses it more on the small GEMMs, which are the
+    launch-bound ones: read on their work alone, that miss inflated the loss (a synthetic
+    GPU whose efficiency spans 20x with size: 54% off at 5 unaligned probes, 26% with one
+    loss for the whole runtime); on the H200's random shapes, reading it on the work took
+    5 probes from 31-71% off to 15-36% (bench/RESULTS.md, the thirteenth session).
+    Returns the choice per dtype index, the offsets and the work shares as served (1
+    where the whole runtime is slowed)."""
+    on_work = [True] * len(ca_work)
+    ca, served = ca_work.copy(), work.copy()
+    for i in np.unique(ai[ai >= 0]):
+        s = ai == i
+        if s.sum() < MIN_PROBES_IN_DOMAIN:
+            continue
+        if np.median(np.abs(d[s] - ca_whole[i])) < np.median(np.abs(
+                d[s] - aligned_loss(ca_work[i], work[s]))):
+            on_work[i], ca[i], served[s] = False, ca_whole[i], 1.0
+    return on_work, ca, served
+
+
 def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], t: Table
                      ) -> dict[str, np.ndarray]:
     """Per prior target: the calibrated prior's log prediction for each row of ``t``."""
@@ -188,10 +229,10 @@ def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], 
     groups = _groups(t)
     uuids = [d.uuid for d in t.devices]
     out = {}
-    unal = unaligned(t)
+    work = unaligned_work(t, logs)
     for target, (mu, _) in logs.items():
         off = np.array([cals[uuids[int(d)]].offset(target, g, a) if uuids[int(d)] in cals
-                        else 0.0 for d, g, a in zip(t.device, groups, unal)])
+                        else 0.0 for d, g, a in zip(t.device, groups, work)])
         out[target] = mu + off
     return out
 

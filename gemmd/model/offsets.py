@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gemmd.features import Table
-from gemmd.model.domain import ALIGN_LOG2, OOD_SD, align_log2
+from gemmd.model.domain import ALIGN_LOG2, OOD_SD, align_log2, work_share
 
 # A device's first probes correct a prior model fitted on other GPUs (TransferModel): a
 # device-wide offset in log space, then one per dtype/kernel, each shrunk toward the
@@ -112,6 +112,9 @@ class DeviceCalibration:
     # per target and dtype: what a GEMM aligned below 16 bytes adds on this device
     # (runtime and energy; the probes at such shapes, shrunk toward none)
     align_offset: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per target and dtype: whether that offset slows the work alone (else the whole
+    # runtime: calibration._align_on_work)
+    align_on_work: dict[str, dict[str, bool]] = field(default_factory=dict)
     # per target, on a GPU model the prior never saw: the factor on the interval that
     # leave-one-GPU-out's simulated calibrations found to hold the nominal share
     # (interval_scale; not on a kernel the prior never saw, which they did not judge)
@@ -126,10 +129,16 @@ class DeviceCalibration:
         validated), else the device's."""
         return self.group_dof.get(target, {}).get(group, self.dof[target])
 
-    def offset(self, target: str, group: str, unaligned: bool = False) -> float:
-        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + (
-            self.align_offset.get(target, {}).get(group.split("/")[0], 0.0) if unaligned
-            else 0.0)
+    def offset(self, target: str, group: str, work: float = 0.0) -> float:
+        """The calibrated prior's log offset for a row of ``group``; ``work``: where the
+        row is unaligned, its work share (unaligned_work), which its dtype's
+        align_offset slows (0 where aligned)."""
+        dtype = group.split("/")[0]
+        ca = self.align_offset.get(target, {}).get(dtype, 0.0) if work else 0.0
+        if ca and not self.align_on_work.get(target, {}).get(dtype, True):
+            work = 1.0
+        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + \
+            aligned_loss(ca, work)
 
     def variance(self, target: str, group: str, unseen_sd: float | None = None) -> float:
         """Variance of a new measurement around the calibrated prediction (log space).
@@ -155,6 +164,24 @@ def unaligned(t: Table) -> np.ndarray:
     return align_log2(t) < ALIGN_LOG2
 
 
+def unaligned_work(t: Table, logs: Mapping[str, tuple[np.ndarray, Any]]) -> np.ndarray:
+    """Per row: where it is unaligned, the share of its runtime (``logs``' "runtime", the
+    prior's log prediction) beyond a launch, which unaligned data slow (work_share); 0
+    where aligned (everywhere, without a runtime)."""
+    if "runtime" not in logs:
+        return np.zeros(len(t))
+    return np.where(unaligned(t), work_share(logs["runtime"][0]), 0.0)
+
+
+def aligned_loss(ca: Any, work: Any) -> Any:
+    """The log slowdown of a GEMM whose work (its ``work`` share of the runtime) runs
+    exp(``ca``) times slower unaligned, its launch not: log(1 + work (exp(ca) - 1)). On
+    the H200's random shapes the loss of a mostly launch-bound GEMM was a third of a
+    compute-bound one's (fp16 at a work share of 0.3-0.7: 1.27 in log; above 0.95: 1.71;
+    docs/model.md, "Alignment")."""
+    return np.log1p(np.asarray(work) * np.expm1(ca))
+
+
 def _groups(t: Table) -> np.ndarray:
     return np.array([f"{d}/{k}" for d, k in zip(t["dtype"], t["kernel"])], dtype=object)
 
@@ -162,8 +189,8 @@ def _groups(t: Table) -> np.ndarray:
 def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b: float,
                     tau_g: np.ndarray, u: np.ndarray | None = None,
                     s0_g: np.ndarray | None = None, k: float = 1.345,
-                    ai: np.ndarray | None = None, tau_a: float = 1.0
-                    ) -> tuple[float, np.ndarray, np.ndarray]:
+                    ai: np.ndarray | None = None, tau_a: float = 1.0,
+                    work: np.ndarray | None = None) -> tuple[float, np.ndarray, np.ndarray]:
     """Level b and group offsets with e ~ b + cg[gi] + noise: each shrunk toward 0 (the
     prior) by its prior spread, and Huber-weighted, so that one launch-bound or
     thermally throttled probe among five does not move a device's whole calibration.
@@ -173,11 +200,14 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
     probe, the index of its dtype's unaligned offset (-1 where aligned to 16 bytes), each
     shrunk toward none by ``tau_a``: an unaligned probe's loss is its own, not the
     device's level, and the level and groups are the aligned probes' (returned third,
-    per index)."""
+    per index). ``work``: per probe, its work share, which alone the unaligned offset
+    slows (aligned_loss; 1: the whole runtime; least squares in log runtime, so that a
+    launch-bound probe, which says little of what its work lost, weighs little)."""
     s0_g = np.full(groups, s0) if s0_g is None else s0_g
     u = np.ones(len(e)) if u is None else u
     ai = np.full(len(e), -1) if ai is None else ai
     un = ai >= 0
+    x = np.ones(len(e)) if work is None else np.maximum(work, 1e-3)
     w = np.ones(len(e))
     b, cg, ca = 0.0, np.zeros(groups), np.zeros(int(ai.max(initial=-1)) + 1)
     for _ in range(8):
@@ -190,12 +220,17 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
             b = float(np.sum(wu * (e - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
             cg = np.bincount(gi, weights=wa * (e - b), minlength=groups) / \
                 (np.bincount(gi, weights=wa, minlength=groups) + s0_g**2 / tau_g**2)
-            if len(ca):
-                ca = np.bincount(ai[un], weights=(w * (e - b - cg[gi]))[un],
-                                 minlength=len(ca)) / (np.bincount(
-                                     ai[un], weights=w[un], minlength=len(ca)) +
-                                     s0**2 / tau_a**2)
-        r = e - b - cg[gi] - np.where(un, ca[np.maximum(ai, 0)] if len(ca) else 0.0, 0.0)
+            if len(ca):  # Gauss-Newton steps on d = aligned_loss(ca, work), shrunk
+                d, xu, iu, lam = (e - b - cg[gi])[un], x[un], ai[un], s0**2 / tau_a**2
+                for _ in range(3):
+                    f = 1.0 + xu * np.expm1(ca[iu])
+                    jac = xu * np.exp(ca[iu]) / f
+                    ca = np.clip(ca + (np.bincount(iu, weights=w[un] * jac * (d - np.log(f)),
+                                                   minlength=len(ca)) - lam * ca) /
+                                 (np.bincount(iu, weights=w[un] * jac**2, minlength=len(ca)) +
+                                  lam), -3.0, 5.0)
+        r = e - b - cg[gi] - np.where(un, aligned_loss(ca[np.maximum(ai, 0)], x)
+                                      if len(ca) else 0.0, 0.0)
         mad = 1.4826 * float(np.median(np.abs(r)))
         scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
         # a group expected to scatter more than the others (a kernel the prior never

@@ -43,7 +43,7 @@ from gemmd.model.intervals import (
     min_cv_rows,
     min_narrow_rows,
 )
-from gemmd.model.offsets import DeviceCalibration, _groups, unaligned
+from gemmd.model.offsets import DeviceCalibration, _groups, unaligned_work
 from gemmd.model.persistence import _configs
 from gemmd.model.repeats import shape_hashes
 from gemmd.model.space import from_model_space, to_model_space
@@ -342,7 +342,7 @@ class TransferModel:
         # the calibrated prior cannot follow unaligned shapes: its rows keep prior flags
         flags_prior = self.prior.target_flags(t, without_align(extra)) if extra else flags0
         on_prior = np.zeros(len(t), dtype=bool)
-        groups, unal = _groups(t), unaligned(t)
+        groups, work = _groups(t), unaligned_work(t, logs)
         zrow = np.full(len(t), self.z)
         has = np.array([c is not None for c in cals])[t.device]
         used = {self.choice.get(tg, "calibrated") for tg in logs} if has.any() else set()
@@ -410,7 +410,7 @@ class TransferModel:
                                    self._floor(target, "few") ** 2)
                 if not len(idx):
                     continue
-                off = np.array([cal.offset(target, g, a) for g, a in zip(groups[idx], unal[idx])])
+                off = np.array([cal.offset(target, g, w) for g, w in zip(groups[idx], work[idx])])
                 # a kernel the prior never ran keeps its spread until probes of it say
                 # otherwise (before, 0.35 as a dtype: GPPerf's tiled kernel, 50-100x off
                 # the estimate, went from a 14x interval at no probe to a 3x one at 5
