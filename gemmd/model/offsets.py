@@ -137,8 +137,8 @@ class DeviceCalibration:
         ca = self.align_offset.get(target, {}).get(dtype, 0.0) if work else 0.0
         if ca and not self.align_on_work.get(target, {}).get(dtype, True):
             work = 1.0
-        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + \
-            aligned_loss(ca, work)
+        return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + (
+            float(aligned_loss(ca, work)) if ca else 0.0)
 
     def variance(self, target: str, group: str, unseen_sd: float | None = None) -> float:
         """Variance of a new measurement around the calibrated prediction (log space).
@@ -159,6 +159,9 @@ class DeviceCalibration:
         return var if own is not None else var * self.scale.get(target, 1.0) ** 2
 
 
+MIN_WORK = 1e-3  # the least work share an unaligned row is taken to have (unaligned_work)
+
+
 def unaligned(t: Table) -> np.ndarray:
     """Per row: aligned below 16 bytes (DeviceCalibration.align_offset applies)."""
     return align_log2(t) < ALIGN_LOG2
@@ -166,11 +169,11 @@ def unaligned(t: Table) -> np.ndarray:
 
 def unaligned_work(t: Table, logs: Mapping[str, tuple[np.ndarray, Any]]) -> np.ndarray:
     """Per row: where it is unaligned, the share of its runtime (``logs``' "runtime", the
-    prior's log prediction) beyond a launch, which unaligned data slow (work_share); 0
-    where aligned (everywhere, without a runtime)."""
-    if "runtime" not in logs:
-        return np.zeros(len(t))
-    return np.where(unaligned(t), work_share(logs["runtime"][0]), 0.0)
+    prior's log prediction) beyond a launch, which unaligned data slow (work_share; at
+    least MIN_WORK, so that a launch-bound row stays unaligned: a row of a dtype whose
+    loss is the whole runtime's takes all of it; 1 without a runtime); 0 where aligned."""
+    share = work_share(logs["runtime"][0]) if "runtime" in logs else np.ones(len(t))
+    return np.where(unaligned(t), np.maximum(share, MIN_WORK), 0.0)
 
 
 def aligned_loss(ca: Any, work: Any) -> Any:
@@ -207,7 +210,7 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
     u = np.ones(len(e)) if u is None else u
     ai = np.full(len(e), -1) if ai is None else ai
     un = ai >= 0
-    x = np.ones(len(e)) if work is None else np.maximum(work, 1e-3)
+    x = np.ones(len(e)) if work is None else np.maximum(work, MIN_WORK)
     w = np.ones(len(e))
     b, cg, ca = 0.0, np.zeros(groups), np.zeros(int(ai.max(initial=-1)) + 1)
     for _ in range(8):
