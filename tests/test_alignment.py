@@ -13,7 +13,8 @@ from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.model import ForestModel, TransferModel
 from gemmd.model.calibration import _calibrated_logs, calibrate
-from gemmd.model.domain import ALIGN_MIN_ROWS, OOD_SD, align_log2, domain_flags, work_share
+from gemmd.model.domain import ALIGN_MIN_ROWS, OOD_SD, align_log2, domain_flags
+from gemmd.model.offsets import unaligned_work
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
 H100 = datasets.KNOWN_GPUS["h100-sxm"]
@@ -216,9 +217,9 @@ def test_unaligned_probes_get_their_own_offset_not_the_devices_level(aligned_mod
     test_al, test_odd = gemms(H100, 100, 32), gemms(H100, 100, 33, odd=True)
     # the residual trees' base (the calibrated prior's logs) carries it too
     base = _calibrated_logs(aligned_model, {H100.uuid: both}, test_odd)["runtime"]
-    prior_log = aligned_model.prior_logs(test_odd)[0]["runtime"][0]
-    assert np.allclose(base, prior_log + [both.offset("runtime", "bf16/blas", w)
-                                          for w in work_share(prior_log)])
+    logs = aligned_model.prior_logs(test_odd)[0]
+    assert np.allclose(base, logs["runtime"][0] + [both.offset("runtime", "bf16/blas", w)
+                                                   for w in unaligned_work(test_odd, logs)])
     ref = TransferModel.fit(aligned_model, al, CFG, select=False).predict_table(test_al)
     got = tm.predict_table(test_al)["runtime"]["point"]
     assert np.allclose(got, ref["runtime"]["point"], rtol=0.03)

@@ -207,7 +207,8 @@ def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.
     launch-bound ones: read on their work alone, that miss inflated the loss (a synthetic
     GPU whose efficiency spans 20x with size: 54% off at 5 unaligned probes, 26% with one
     loss for the whole runtime); on the H200's random shapes, reading it on the work took
-    5 probes from 31-71% off to 15-36% (bench/RESULTS.md, the thirteenth session).
+    their unaligned rows at 5 probes from 31-71% off to 22-35% (bench/RESULTS.md, the
+    thirteenth session).
     Returns the choice per dtype index, the offsets and the work shares as served (1
     where the whole runtime is slowed)."""
     on_work = [True] * len(ca_work)
