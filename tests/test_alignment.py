@@ -296,6 +296,25 @@ def test_a_loss_of_the_whole_runtime_is_served_whatever_the_work_share():
     assert np.median(np.abs(np.log(tm.predict_table(test)["runtime"]["point"] / y))) < 0.1
 
 
+def test_unaligned_probes_do_not_vouch_for_the_aligned_rows(aligned_model):
+    """The calibrated prior's level and dtype/kernel offsets come from the aligned probes
+    alone: a group is in its domain from MIN_PROBES_IN_DOMAIN aligned probes, whatever
+    unaligned ones beside them (before, two aligned and six unaligned marked the group's
+    aligned rows in the domain, and its offset's spread took eight probes' evidence)."""
+    test = gemms(H100, 50, 62)
+    for aligned, inside in ((2, False), (3, True)):
+        probes = features.concat([gemms(H100, aligned, 60), gemms(H100, 6, 61, odd=True)])
+        tm = TransferModel.fit(aligned_model, probes, CFG, select=False)
+        cal = tm.calibrations[H100.uuid]
+        assert cal.counts["runtime"]["bf16/blas"] == aligned + 6
+        assert cal.offset_counts["runtime"]["bf16/blas"] == aligned
+        r = tm.predict_table(test)["runtime"]
+        assert bool(r["in_domain"].all()) == inside
+        assert inside or all("no bf16 blas data on" in x for x in r["domain"])
+        # the trees on the probes, which learn from all of them, cover the group
+        assert "bf16/blas" in cal.domain["runtime"]["pairs"]
+
+
 def test_derived_energy_is_slowed_as_the_runtime_is():
     """Energy as power x runtime: its upward widening follows the runtime's domain (here
     trained unaligned), not power's (aligned only): no more than power's own."""

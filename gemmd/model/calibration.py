@@ -177,13 +177,18 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             cal.level[target] = b
             cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, cg)}
             cal.counts[target] = {str(nm): int(v) for nm, v in zip(names, n_g)}
+            # the probes behind each group's offset and the level: the aligned ones (an
+            # unaligned probe's loss is its dtype's own; they counted as evidence of the
+            # aligned rows, three of them marking a group in the domain)
+            cal.offset_counts[target] = {str(nm): int(v) for nm, v in zip(names, np.bincount(
+                gi[ai < 0], minlength=len(names)))}
             cal.group_sd[target] = {str(nm): float(v) for nm, v in zip(names, tau_g)}
             # groups the prior knows on this GPU but the probes did not cover
             for pair in known_pairs:
                 cal.group_sd[target].setdefault(pair, GROUP_SD_KNOWN)
             cal.sd[target] = math.sqrt(s2)
             cal.dof[target] = dof
-            cal.precision[target] = float(u.sum()) + s0**2 / tau_b**2
+            cal.precision[target] = float(u[ai < 0].sum()) + s0**2 / tau_b**2
             probed = [p for p, n in cal.counts[target].items() if n >= MIN_PROBES_IN_DOMAIN]
             if probed:
                 x = sizes[sel][ok]
@@ -191,7 +196,10 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                     "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
                     "size": [[float(x[:, i].min()), float(x[:, i].max())]
                              for i in range(x.shape[1])],
-                    "align": _least_align(aligns, t["dtype"], np.flatnonzero(sel)[ok])}
+                    "align": _least_align(aligns, t["dtype"], np.flatnonzero(sel)[ok]),
+                    # what the calibrated prior's offsets cover (domain.prior_domain)
+                    "offset_pairs": [p for p, n in cal.offset_counts[target].items()
+                                     if n >= MIN_PROBES_IN_DOMAIN]}
         out[info.uuid] = cal
     return out
 

@@ -320,11 +320,21 @@ def beyond_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, A
                                                                runtime_log))
 
 
-def without_align(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
-                  ) -> dict[str, dict[str, dict[str, Any]]]:
-    """domain_flags' ``extra`` per target, with no probed alignment in it."""
-    return {tg: {g: {k: v for k, v in d.items() if k != "align"} for g, d in e.items()}
-            for tg, e in extra.items()}
+def prior_domain(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
+                 ) -> dict[str, dict[str, dict[str, Any]]]:
+    """domain_flags' ``extra`` per target (calibrations' domains) as the calibrated prior
+    covers it: no probed alignment (an offset per dtype cannot follow unaligned shapes
+    one by one), and only the dtype/kernel pairs whose offsets aligned probes set
+    ("offset_pairs", where recorded: unaligned probes say nothing of the aligned rows)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for tg, e in extra.items():
+        for g, d in e.items():
+            d = {k: v for k, v in d.items() if k not in ("align", "offset_pairs")} | (
+                {"pairs": d["offset_pairs"], "kernels": sorted(
+                    {p.split("/")[1] for p in d["offset_pairs"]})} if "offset_pairs" in d
+                else {})
+            out.setdefault(tg, {})[g] = d
+    return out
 
 
 def upward(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],

@@ -112,6 +112,9 @@ class DeviceCalibration:
     # per target and dtype: what a GEMM aligned below 16 bytes adds on this device
     # (runtime and energy; the probes at such shapes, shrunk toward none)
     align_offset: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per target and "dtype/kernel": the probes its offset comes from (counts less the
+    # unaligned ones of a kernel the prior ran, whose loss is align_offset's)
+    offset_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     # per target and dtype: whether that offset slows the work alone (else the whole
     # runtime: calibration._align_on_work)
     align_on_work: dict[str, dict[str, bool]] = field(default_factory=dict)
@@ -150,7 +153,7 @@ class DeviceCalibration:
         if own is not None:
             s2 = own**2
         var = s2 * (1.0 + 1.0 / self.precision[target])
-        n_g = self.counts.get(target, {}).get(group, 0)
+        n_g = self.offset_counts.get(target, self.counts.get(target, {})).get(group, 0)
         tau = self.group_sd.get(target, {}).get(group)
         if tau is None:  # a group neither the prior nor the probes saw
             tau = unseen_sd if unseen_sd is not None else \

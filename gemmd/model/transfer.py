@@ -26,12 +26,12 @@ from gemmd.model.domain import (
     domain_flags,
     domain_record,
     flags_where,
+    prior_domain,
     result,
     size_widening,
     to_predictions,
     upward,
     widen,
-    without_align,
 )
 from gemmd.model.flat import _FLAT_MAX_ROWS, _FlatForest, _per_tree
 from gemmd.model.forest import ForestModel
@@ -339,8 +339,8 @@ class TransferModel:
                 for target, dom in cal_.domain.items():
                     extra.setdefault(target, {})[cal_.gpu] = dom
         flags = self.prior.target_flags(t, extra) if extra else flags0
-        # the calibrated prior cannot follow unaligned shapes: its rows keep prior flags
-        flags_prior = self.prior.target_flags(t, without_align(extra)) if extra else flags0
+        # the calibrated prior: prior flags for unaligned shapes, its offsets' pairs
+        flags_prior = self.prior.target_flags(t, prior_domain(extra)) if extra else flags0
         on_prior = np.zeros(len(t), dtype=bool)
         groups, work = _groups(t), unaligned_work(t, logs)
         zrow = np.full(len(t), self.z)
