@@ -12,7 +12,7 @@ from gemmd import datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.model import ForestModel, TransferModel
-from gemmd.model.calibration import _calibrated_logs, calibrate
+from gemmd.model.calibration import _calibrated_logs, _unknown_priors, calibrate
 from gemmd.model.domain import ALIGN_MIN_ROWS, OOD_SD, align_log2, domain_flags
 from gemmd.model.offsets import unaligned_work
 
@@ -313,6 +313,48 @@ def test_unaligned_probes_do_not_vouch_for_the_aligned_rows(aligned_model):
         assert inside or all("no bf16 blas data on" in x for x in r["domain"])
         # the trees on the probes, which learn from all of them, cover the group
         assert "bf16/blas" in cal.domain["runtime"]["pairs"]
+        # the level's precision is its aligned shapes' (here distinct); its pseudo-count
+        # is chosen for all the probes' shapes (_unknown_priors)
+        tau_b, s0 = _unknown_priors(aligned_model, "runtime", aligned + 6)
+        assert cal.precision["runtime"] == pytest.approx(aligned + s0**2 / tau_b**2)
+        # the group's offset has no aligned probe's evidence where it has none
+        if aligned == 2:
+            s2, tau = cal.sd["runtime"] ** 2, cal.group_sd["runtime"]["bf16/blas"]
+            assert cal.variance("runtime", "bf16/blas") == pytest.approx(
+                (s2 * (1 + 1 / cal.precision["runtime"]) + s2 / (2 + s2 / tau**2)) *
+                cal.scale["runtime"] ** 2)
+    # nor do their sizes: aligned rows as large as the unaligned probes alone are beyond
+    # what the calibrated prior's offsets were measured on
+    def at(m: int, odd: bool, dtype: str = "bf16") -> Table:
+        t = Table.from_rows([{"m": m, "n": m, "k": m, "dtype": dtype}], [H100])
+        eff = 0.8 * (0.9 * (1 - np.exp(-features.flops(t) / 2**32)) + 0.05)
+        t.cols["runtime_s"] = features.roofline(t) / eff * (SLOWER if odd else 1.0) + 4e-6
+        return t
+
+    small = [at(m, False) for m in (256, 512, 1024)]
+    big = features.concat([at(2**15 + 1, True) for _ in range(6)])
+    tm = TransferModel.fit(aligned_model, features.concat(small + [big]), CFG, select=False)
+    r = tm.predict_table(at(2**15, False))["runtime"]
+    assert not r["in_domain"][0] and "beyond the trained range" in r["domain"][0]
+
+
+def test_the_level_counts_the_aligned_probes_alone(aligned_model):
+    """An fp32 probe and a bf16 one of the same shape, 4 bytes off a multiple of 8
+    elements: aligned to 16 bytes in fp32, to 8 in bf16. The level is the fp32 probes':
+    as if the bf16 ones were not there, each of the three shapes one whole piece of
+    evidence (before, the unaligned bf16 probe halved its aligned twin's weight)."""
+    rows = [{"m": m, "n": m, "k": m, "dtype": dt} for m in (1028, 2052, 4100)
+            for dt in ("fp32", "bf16")]
+    t = Table.from_rows(rows, [H100] * len(rows))
+    t.cols["runtime_s"] = features.roofline(t) / 0.3 * np.where(t["dtype"] == "bf16", SLOWER,
+                                                                1.0)
+    both = calibrate(aligned_model, t)[H100.uuid]
+    alone = calibrate(aligned_model, t.take(np.flatnonzero(t["dtype"] == "fp32")))[H100.uuid]
+    assert both.align_offset["runtime"]["bf16"] > 0.5
+    assert both.level["runtime"] == pytest.approx(alone.level["runtime"], abs=1e-3)
+    assert both.precision["runtime"] == pytest.approx(alone.precision["runtime"])
+    tau_b, s0 = _unknown_priors(aligned_model, "runtime", 3)
+    assert alone.precision["runtime"] == pytest.approx(3 + s0**2 / tau_b**2)
 
 
 def test_derived_energy_is_slowed_as_the_runtime_is():

@@ -104,14 +104,34 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             tau_o = prior.ood_sd(target)
             e, g = r[ok], g_all[ok]
             rec_logo = (prior.meta.get("logo") or {}).get(target) or {}
-            n_shapes = len(np.unique(shape_ids[sel][ok]))
+            names, gi = np.unique(g.astype(str), return_inverse=True)
+            new_kernel = np.array([nm.split("/")[1] not in known_kernels for nm in names])
+            # a probe aligned below 16 bytes ran another kernel, up to 4.6x slower: its
+            # loss is its dtype's own offset, applied to such rows only (in the level it
+            # moved every aligned row: the H200's fp16 at 5 random probes, half unaligned,
+            # 82.5% off where none gave 15.1%); power is not shifted that way
+            # (a kernel the prior never ran: its own offset, as wide as such a kernel's,
+            # takes its probes whatever their alignment)
+            d_un, ai = np.unique(t["dtype"][sel][ok].astype(str), return_inverse=True)
+            ai = np.where((aligns[sel][ok] < ALIGN_LOG2) & ~new_kernel[gi], ai.ravel(), -1) \
+                if target in ALIGN_UPWARD else np.full(len(e), -1)
+            # each probe's weight in the level: 1 / the aligned probes of its shape (the
+            # dtypes of a shape share its error; an unaligned one has no part in the level)
+            sid = np.unique(shape_ids[sel][ok], return_inverse=True)[1].ravel()
+            u = np.where(ai < 0, 1.0 / np.maximum(np.bincount(sid[ai < 0], minlength=len(
+                sid))[sid], 1), 0.0)
+            # all the probes' shapes: the level's pseudo-count, the interval's factor and
+            # the scatter guess's weight were chosen together per count of probes
+            # (validation._validate_calibration), and the scatter takes the unaligned
+            # probes' residuals too (by the aligned shapes alone, the H200's 5 random
+            # probes of fp32 were covered 64.8% where they had been 80.1%)
+            n_shapes = len(np.unique(sid))
             if unknown:
                 tau_b, s0 = _unknown_priors(prior, target, n_shapes)
                 cal.scale[target] = interval_scale(rec_logo, n_shapes)
             else:
                 tau_b = LEVEL_SD_KNOWN
                 s0 = max(float(np.median(sd_in[sel][ok])), 0.02)
-            names, gi = np.unique(g.astype(str), return_inverse=True)
             # a dtype/kernel's offset on top of the level: a kernel the prior never saw
             # as far off as such a kernel can be (OOD_SD's "kernel": no validation judged
             # the prior's level for it, and the level's pseudo-count was chosen on GPUs
@@ -127,25 +147,13 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                               GROUP_SD_KNOWN if name in known_pairs
                               else tau_o["dtype"] for name in names])
             n_g = np.bincount(gi, minlength=len(names)).astype(float)
-            sid = np.unique(shape_ids[sel][ok], return_inverse=True)[1].ravel()
-            u = 1.0 / np.bincount(sid)[sid]
             # a kernel the prior never saw: its offset counts a probe as half (scatter
             # as wide as the offset's prior spread: one probe of GPPerf's tiled kernel,
             # whose efficiency spans decades, is not its level), and its probes' scatter
             # is its own, until they say otherwise as wide as the training data's kernels
             # scatter, together (validation._kernel_scatter; else the offset's spread)
-            new_kernel = np.array([nm.split("/")[1] not in known_kernels for nm in names])
             s0_g = np.where(new_kernel, tau_o["kernel"], s0)
             s_new = max(tau_o.get("scatter", tau_o["kernel"]), s0)
-            # a probe aligned below 16 bytes ran another kernel, up to 4.6x slower: its
-            # loss is its dtype's own offset, applied to such rows only (in the level it
-            # moved every aligned row: the H200's fp16 at 5 random probes, half unaligned,
-            # 82.5% off where none gave 15.1%); power is not shifted that way
-            # (a kernel the prior never ran: its own offset, as wide as such a kernel's,
-            # takes its probes whatever their alignment)
-            d_un, ai = np.unique(t["dtype"][sel][ok].astype(str), return_inverse=True)
-            ai = np.where((aligns[sel][ok] < ALIGN_LOG2) & ~new_kernel[gi], ai.ravel(), -1) \
-                if target in ALIGN_UPWARD else np.full(len(e), -1)
             # what an unaligned probe's loss slows is its work, not its launch; unless
             # the dtype's probes say the loss is the whole runtime's (_align_on_work)
             work = unaligned_work(t, logs)[sel][ok]
@@ -191,17 +199,22 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             cal.precision[target] = float(u[ai < 0].sum()) + s0**2 / tau_b**2
             probed = [p for p, n in cal.counts[target].items() if n >= MIN_PROBES_IN_DOMAIN]
             if probed:
-                x = sizes[sel][ok]
+                x, xa = sizes[sel][ok], sizes[sel][ok][ai < 0]
                 cal.domain[target] = {
                     "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
-                    "size": [[float(x[:, i].min()), float(x[:, i].max())]
-                             for i in range(x.shape[1])],
+                    "size": _size_range(x),
                     "align": _least_align(aligns, t["dtype"], np.flatnonzero(sel)[ok]),
                     # what the calibrated prior's offsets cover (domain.prior_domain)
                     "offset_pairs": [p for p, n in cal.offset_counts[target].items()
-                                     if n >= MIN_PROBES_IN_DOMAIN]}
+                                     if n >= MIN_PROBES_IN_DOMAIN],
+                    **({"offset_size": _size_range(xa)} if len(xa) else {})}
         out[info.uuid] = cal
     return out
+
+
+def _size_range(x: np.ndarray) -> list[list[float]]:
+    """Per column of ``x`` (log2 sizes, _log2_sizes): [least, most]."""
+    return [[float(x[:, i].min()), float(x[:, i].max())] for i in range(x.shape[1])]
 
 
 def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.ndarray,
