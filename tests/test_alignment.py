@@ -333,9 +333,10 @@ def test_unaligned_probes_do_not_vouch_for_the_aligned_rows(aligned_model):
 
     small = [at(m, False) for m in (256, 512, 1024)]
     big = features.concat([at(2**15 + 1, True) for _ in range(6)])
-    tm = TransferModel.fit(aligned_model, features.concat(small + [big]), CFG, select=False)
-    r = tm.predict_table(at(2**15, False))["runtime"]
-    assert not r["in_domain"][0] and "beyond the trained range" in r["domain"][0]
+    for probes in (small + [big], [big]):  # (with no aligned probe: the prior's sizes)
+        tm = TransferModel.fit(aligned_model, features.concat(probes), CFG, select=False)
+        r = tm.predict_table(at(2**15, False))["runtime"]
+        assert not r["in_domain"][0] and "beyond the trained range" in r["domain"][0]
 
 
 def test_the_level_counts_the_aligned_probes_alone(aligned_model):

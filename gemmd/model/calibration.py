@@ -207,7 +207,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                     # what the calibrated prior's offsets cover (domain.prior_domain)
                     "offset_pairs": [p for p, n in cal.offset_counts[target].items()
                                      if n >= MIN_PROBES_IN_DOMAIN],
-                    **({"offset_size": _size_range(xa)} if len(xa) else {})}
+                    "offset_size": _size_range(xa) if len(xa) else None}
         out[info.uuid] = cal
     return out
 

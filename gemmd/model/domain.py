@@ -325,8 +325,8 @@ def prior_domain(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
     """domain_flags' ``extra`` per target (calibrations' domains) as the calibrated prior
     covers it: no probed alignment (an offset per dtype cannot follow unaligned shapes
     one by one), and only the dtype/kernel pairs whose offsets aligned probes set and
-    those probes' sizes ("offset_pairs", "offset_size", where recorded: unaligned probes
-    say nothing of the aligned rows)."""
+    those probes' sizes ("offset_pairs", "offset_size", where recorded; none without
+    aligned probes: unaligned probes say nothing of the aligned rows)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for tg, e in extra.items():
         for g, d in e.items():
@@ -335,7 +335,7 @@ def prior_domain(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
                 {"pairs": d["offset_pairs"], "kernels": sorted(
                     {p.split("/")[1] for p in d["offset_pairs"]})} if "offset_pairs" in d
                 else {}) | ({"size": d["offset_size"]} if "offset_size" in d else {})
-            out.setdefault(tg, {})[g] = d
+            out.setdefault(tg, {})[g] = {k: v for k, v in d.items() if v is not None}
     return out
 
 
