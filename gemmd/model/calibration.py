@@ -14,11 +14,11 @@ from gemmd.features import Table, row_sources
 from gemmd.gemm import COLUMN
 from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import (
-    ALIGN_LOG2,
     ALIGN_UPWARD,
     _least_align,
     _log2_sizes,
     align_log2,
+    size_range,
 )
 from gemmd.model.forest import ForestModel
 from gemmd.model.offsets import (
@@ -34,6 +34,7 @@ from gemmd.model.offsets import (
     interval_scale,
     level_n0,
     resid_dof0,
+    unaligned,
     unaligned_work,
 )
 from gemmd.model.repeats import shape_hashes
@@ -75,6 +76,8 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
     groups = _groups(t)
     sizes = _log2_sizes(t)
     aligns = align_log2(t)
+    # per row: aligned below 16 bytes, and then its work share (what such a loss slows)
+    unal, work_all = unaligned(t), unaligned_work(t, logs)
     out: dict[str, DeviceCalibration] = {}
     dom = prior.meta.get("domain_targets") or {}
     shape_ids = shape_hashes(t)
@@ -113,7 +116,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # (a kernel the prior never ran: its own offset, as wide as such a kernel's,
             # takes its probes whatever their alignment)
             d_un, ai = np.unique(t["dtype"][sel][ok].astype(str), return_inverse=True)
-            ai = np.where((aligns[sel][ok] < ALIGN_LOG2) & ~new_kernel[gi], ai.ravel(), -1) \
+            ai = np.where(unal[sel][ok] & ~new_kernel[gi], ai.ravel(), -1) \
                 if target in ALIGN_UPWARD else np.full(len(e), -1)
             # each probe's weight in the level: 1 / the aligned probes of its shape (the
             # dtypes of a shape share its error; an unaligned one has no part in the level)
@@ -156,13 +159,12 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             s_new = max(tau_o.get("scatter", tau_o["kernel"]), s0)
             # what an unaligned probe's loss slows is its work, not its launch; unless
             # the dtype's probes say the loss is the whole runtime's (_align_on_work)
-            work = unaligned_work(t, logs)[sel][ok]
+            work, tau_a = work_all[sel][ok], tau_o.get("align", 1.0)
             b, cg, ca = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g,
-                                        ai=ai, tau_a=tau_o.get("align", 1.0), work=work)
+                                        ai=ai, tau_a=tau_a, work=work)
             if (ai >= 0).any():
                 on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, _robust_offsets(
-                    e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai,
-                    tau_a=tau_o.get("align", 1.0))[2])
+                    e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai, tau_a=tau_a)[2])
                 cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in set(ai[ai >= 0])}
             cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in set(ai[ai >= 0])}
             resid = e - b - cg[gi]
@@ -202,19 +204,14 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 x, xa = sizes[sel][ok], sizes[sel][ok][ai < 0]
                 cal.domain[target] = {
                     "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
-                    "size": _size_range(x),
+                    "size": size_range(x),
                     "align": _least_align(aligns, t["dtype"], np.flatnonzero(sel)[ok]),
                     # what the calibrated prior's offsets cover (domain.prior_domain)
                     "offset_pairs": [p for p, n in cal.offset_counts[target].items()
                                      if n >= MIN_PROBES_IN_DOMAIN],
-                    "offset_size": _size_range(xa) if len(xa) else None}
+                    "offset_size": size_range(xa) if len(xa) else None}
         out[info.uuid] = cal
     return out
-
-
-def _size_range(x: np.ndarray) -> list[list[float]]:
-    """Per column of ``x`` (log2 sizes, _log2_sizes): [least, most]."""
-    return [[float(x[:, i].min()), float(x[:, i].max())] for i in range(x.shape[1])]
 
 
 def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.ndarray,

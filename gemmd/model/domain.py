@@ -130,6 +130,11 @@ def _least_align(aligns: np.ndarray, dtypes: np.ndarray, sel: np.ndarray
             for x in np.unique(d)}
 
 
+def size_range(x: np.ndarray) -> list[list[float]]:
+    """Per column of ``x`` (log2 sizes, _log2_sizes, of some rows): [least, most]."""
+    return [[float(x[:, j].min()), float(x[:, j].max())] for j in range(x.shape[1])]
+
+
 def domain_record(t: Table) -> dict[str, Any]:
     """What the model was trained on: per GPU model (hardware.gpu_model_key: eight H100s
     are one), its dtypes, kernels, (dtype, kernel) pairs, size ranges (log2 of M, N, K
@@ -140,11 +145,6 @@ def domain_record(t: Table) -> dict[str, Any]:
     sizes = _log2_sizes(t)
     aligns = align_log2(t)
     src = features.row_sources(t)
-
-    def rng(sel: np.ndarray) -> list[list[float]]:
-        return [[float(sizes[sel, j].min()), float(sizes[sel, j].max())]
-                for j in range(len(_SIZES))]
-
     gpus = {}
     for key in sorted(set(rowkey.tolist())):
         sel = rowkey == key
@@ -153,7 +153,8 @@ def domain_record(t: Table) -> dict[str, Any]:
                      "kernels": sorted(set(t["kernel"][sel].tolist())),
                      "pairs": sorted({f"{d}/{k}" for d, k in zip(t["dtype"][sel],
                                                                    t["kernel"][sel])}),
-                     "size": rng(sel), "align": _least_align(aligns, t["dtype"], sel)}
+                     "size": size_range(sizes[sel]),
+                     "align": _least_align(aligns, t["dtype"], sel)}
         # judged by source only where every row of the GPU model says whose it is: rows
         # of no known source may be any source's
         if len(src[sel]) and all(src[sel]):
@@ -161,7 +162,7 @@ def domain_record(t: Table) -> dict[str, Any]:
     everything = np.ones(len(t), dtype=bool)
     return {"gpus": gpus, "dtypes": sorted(set(t["dtype"].tolist())),
             "kernels": sorted(set(t["kernel"].tolist())),
-            "size": rng(everything) if len(t) else [],
+            "size": size_range(sizes) if len(t) else [],
             "align": _least_align(aligns, t["dtype"], everything)}
 
 
