@@ -22,6 +22,13 @@ CFG = ModelConfig(min_samples=2, n_estimators=30)
 SLOWER = 3.0  # an unaligned GEMM's compute, as on the H200 (bench/RESULTS.md, 2026-11-27)
 
 
+def compute_s(t: Table) -> np.ndarray:
+    """The synthetic GPUs' compute time of each GEMM of ``t``, aligned: its roofline
+    time at an efficiency that grows with size (0.04 to 0.76 of peak)."""
+    return features.roofline(t) / (0.8 * (0.9 * (1 - np.exp(-features.flops(t) / 2**32)) +
+                                          0.05))
+
+
 def gemms(info, n: int, seed: int, dtype: str = "bf16", odd: bool = False,
           slower: float = SLOWER) -> Table:
     """GEMMs at an efficiency that grows with size plus a launch cost; ``odd``: each of
@@ -33,8 +40,7 @@ def gemms(info, n: int, seed: int, dtype: str = "bf16", odd: bool = False,
         dims = dims + 2 * rng.integers(0, 20, size=(n, 3)) + 1
     t = Table.from_rows([{"m": int(m), "n": int(nn), "k": int(k), "dtype": dtype}
                          for m, nn, k in dims], [info] * n)
-    eff = 0.8 * (0.9 * (1 - np.exp(-features.flops(t) / 2**32)) + 0.05)
-    compute = features.roofline(t) / eff * (slower if odd else 1.0)
+    compute = compute_s(t) * (slower if odd else 1.0)
     t.cols["runtime_s"] = (compute + 4e-6) * np.exp(rng.normal(0, 0.03, n))
     return t
 
@@ -247,8 +253,7 @@ def test_an_unaligned_offset_slows_the_work_not_the_launch():
     odd, even = (Table.from_rows([{"m": n + extra, "n": n + extra, "k": n + extra,
                                    "dtype": "bf16"} for n in (256, 8192)], [H100] * 2)
                  for extra in (1, 0))
-    compute = features.roofline(even) / (0.8 * (0.9 * (1 - np.exp(-features.flops(even) /
-                                                                   2**32)) + 0.05))
+    compute = compute_s(even)
     truth = np.log((SLOWER * compute + 4e-6) / (compute + 4e-6))
     assert truth[0] < 0.6 * truth[1]
     slow = np.log(tm.predict_table(odd)["runtime"]["point"] /
@@ -276,9 +281,8 @@ def test_a_loss_of_the_whole_runtime_is_served_whatever_the_work_share():
             dims = dims + 2 * rng.integers(0, 4, size=(n, 3)) + 1
         t = Table.from_rows([{"m": int(a), "n": int(b), "k": int(c), "dtype": "bf16"}
                              for a, b, c in dims], [A100] * n)
-        eff = 0.8 * (0.9 * (1 - np.exp(-features.flops(t) / 2**32)) + 0.05)
-        t.cols["runtime_s"] = (features.roofline(t) / eff + 1e-6) * (SLOWER if odd else 1.0) \
-            * np.exp(rng.normal(0, 0.03, n))
+        t.cols["runtime_s"] = (compute_s(t) + 1e-6) * (SLOWER if odd else 1.0) * np.exp(
+            rng.normal(0, 0.03, n))
         return t
 
     prior = ForestModel.fit_table(tiny(300, 50), CFG)
@@ -327,8 +331,7 @@ def test_unaligned_probes_do_not_vouch_for_the_aligned_rows(aligned_model):
     # what the calibrated prior's offsets were measured on
     def at(m: int, odd: bool, dtype: str = "bf16") -> Table:
         t = Table.from_rows([{"m": m, "n": m, "k": m, "dtype": dtype}], [H100])
-        eff = 0.8 * (0.9 * (1 - np.exp(-features.flops(t) / 2**32)) + 0.05)
-        t.cols["runtime_s"] = features.roofline(t) / eff * (SLOWER if odd else 1.0) + 4e-6
+        t.cols["runtime_s"] = compute_s(t) * (SLOWER if odd else 1.0) + 4e-6
         return t
 
     small = [at(m, False) for m in (256, 512, 1024)]
