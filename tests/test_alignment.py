@@ -12,9 +12,15 @@ from gemmd import datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.model import ForestModel, TransferModel
-from gemmd.model.calibration import _calibrated_logs, _unknown_priors, calibrate
+from gemmd.model.calibration import (
+    WORK_IDENTIFIED,
+    _align_on_work,
+    _calibrated_logs,
+    _unknown_priors,
+    calibrate,
+)
 from gemmd.model.domain import ALIGN_MIN_ROWS, OOD_SD, align_log2, domain_flags
-from gemmd.model.offsets import unaligned_work
+from gemmd.model.offsets import _robust_offsets, unaligned_work
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
 H100 = datasets.KNOWN_GPUS["h100-sxm"]
@@ -300,6 +306,28 @@ def test_a_loss_of_the_whole_runtime_is_served_whatever_the_work_share():
     assert np.median(np.abs(np.log(tm.predict_table(test)["runtime"]["point"] / y))) < 0.1
 
 
+def test_launch_bound_unaligned_probes_slow_the_whole_runtime_not_the_work():
+    """Two unaligned probes at a work share of 0.03 and 0.05, each twice as slow: read as
+    a loss of the work, the dtype's offset were about exp(3) = 20x on a compute-bound
+    unaligned row (a fixed cost as much as a loss; nothing tells them apart). With no
+    probe at a work share of WORK_IDENTIFIED or more, the loss is the whole runtime's;
+    probes doing more work keep the work's."""
+    e = np.r_[np.random.default_rng(0).normal(0, 0.05, 4), np.log(2), np.log(2)]
+    gi, ai = np.zeros(6, int), np.r_[-1, -1, -1, -1, 0, 0]
+    args = (e, gi, 1, 0.1, 0.5, np.array([0.35]))
+    whole = _robust_offsets(*args, ai=ai, tau_a=1.0)[2]
+    assert 0.5 < whole[0] < np.log(2)
+    for shares, on_work in (([0.03, 0.05], False), ([0.3, 0.5], True)):
+        work = np.r_[0.0, 0.0, 0.0, 0.0, shares]
+        b, cg, ca = _robust_offsets(*args, ai=ai, tau_a=1.0, work=work)
+        assert (ca[0] > 2.5) == (not on_work)  # the launch-bound reading: ~exp(3)
+        chose, served, w = _align_on_work(e - b - cg[gi], ai, work, ca, whole)
+        assert chose == [on_work]
+        assert served[0] == pytest.approx(ca[0] if on_work else whole[0])
+        assert w[4:].tolist() == (shares if on_work else [1.0, 1.0])
+        assert (max(shares) >= WORK_IDENTIFIED) == on_work
+
+
 def test_unaligned_probes_do_not_vouch_for_the_aligned_rows(aligned_model):
     """The calibrated prior's level and dtype/kernel offsets come from the aligned probes
     alone: a group is in its domain from MIN_PROBES_IN_DOMAIN aligned probes, whatever
@@ -314,7 +342,8 @@ def test_unaligned_probes_do_not_vouch_for_the_aligned_rows(aligned_model):
         assert cal.offset_counts["runtime"]["bf16/blas"] == aligned
         r = tm.predict_table(test)["runtime"]
         assert bool(r["in_domain"].all()) == inside
-        assert inside or all("no bf16 blas data on" in x for x in r["domain"])
+        assert inside or all(x == "too few aligned bf16 blas probes on this GPU"
+                             for x in r["domain"])
         # the trees on the probes, which learn from all of them, cover the group
         assert "bf16/blas" in cal.domain["runtime"]["pairs"]
         # the level's precision is its aligned shapes' (here distinct); its pseudo-count
@@ -373,8 +402,25 @@ def test_derived_energy_is_slowed_as_the_runtime_is():
     res = model.predict_table(gemms(A100, 50, 21, odd=True))
     assert res["runtime"]["in_domain"].all() and not res["power"]["in_domain"].any()
     e = res["energy"]
+    assert not e["in_domain"].any() and list(e["domain"]) == list(res["power"]["domain"])
     up, down = np.log(e["hi"] / e["point"]), np.log(e["point"] / e["lo"])
     assert np.allclose(up, down, rtol=1e-6)
+
+
+def test_energy_is_in_the_domain_only_where_power_and_runtime_both_are():
+    """Energy as power x runtime: a new GPU's 2 aligned and 6 unaligned probes, all with
+    power, put its aligned rows' power in the calibrated prior's domain but not their
+    runtime (too few aligned probes): their energy is out of it, with the runtime's
+    reason (before, energy took power's flags alone and claimed the domain)."""
+    t = gemms(A100, 300, 19)
+    t.cols["power_w"] = 300.0 * np.exp(np.random.default_rng(4).normal(0, 0.02, len(t)))
+    prior = ForestModel.fit_table(t, CFG)
+    probes = features.concat([gemms(H100, 2, 5), gemms(H100, 6, 6, odd=True)])
+    probes.cols["power_w"] = np.full(len(probes), 500.0)
+    res = TransferModel.fit(prior, probes, CFG, select=False).predict_table(gemms(H100, 5, 7))
+    assert res["power"]["in_domain"].all() and not res["runtime"]["in_domain"].any()
+    assert not res["energy"]["in_domain"].any()
+    assert set(res["energy"]["domain"]) == {"too few aligned bf16 blas probes on this GPU"}
 
 
 def test_probes_of_unaligned_shapes_bring_them_into_the_domain(aligned_model):

@@ -250,14 +250,19 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _domain(per: dict[str, tuple[bool, str]]) -> tuple[bool, str]:
-    """(every target in the domain, why not): the runtime's reason, then each other
-    target's that differs (power and energy are out where power was never measured)."""
+    """(every target in the domain, why not): the runtime's reasons, then each other
+    target's not said yet (power and energy are out where power was never measured;
+    energy, power x runtime, wherever either is)."""
     reasons: list[str] = []
+    out = False
     for t in ("runtime", "power", "energy"):
         ok, why = per.get(t, (True, ""))
-        if not ok and why not in reasons:
-            reasons.append(why if t == "runtime" or t in why else f"{t}: {why}")
-    return not reasons, "; ".join(reasons)
+        out |= not ok
+        for part in ([] if ok else why.split("; ")):
+            part = part if t == "runtime" or t in part else f"{t}: {part}"
+            if part not in reasons and part.split(": ", 1)[-1] not in reasons:
+                reasons.append(part)
+    return not out, "; ".join(reasons)
 
 
 def _describe(row: dict[str, Any]) -> str:

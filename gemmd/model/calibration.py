@@ -41,6 +41,10 @@ from gemmd.model.repeats import shape_hashes
 
 MIN_PROBES_IN_DOMAIN = 3  # probes of a dtype/kernel that make a device's predictions in domain
 LEVEL_SD_FLOOR = 0.02  # a validated level spread is never taken below this
+# a dtype's unaligned probes all below this work share (the prior's runtime within 11% of
+# a launch) cannot tell a loss of the work from a fixed cost: its loss slows the whole
+# runtime (_align_on_work)
+WORK_IDENTIFIED = 0.1
 
 
 def _unknown_priors(prior: ForestModel, target: str, probes: float) -> tuple[float, float]:
@@ -220,7 +224,10 @@ def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.
     level and groups): whether its loss slows the work alone (offset ``ca_work``, the
     probes' ``work`` shares) or the whole runtime (``ca_whole``): the work, unless
     MIN_PROBES_IN_DOMAIN probes or more fit the whole runtime's better (median absolute
-    residual). A prior that misses how efficiency grows with size (the roofline estimate
+    residual), or all its probes are launch-bound (work shares below WORK_IDENTIFIED:
+    two unaligned probes at a share of 0.03-0.05 each twice as slow, a fixed cost as much
+    as a loss, read as a loss of the work were exp(3) = 20x on a compute-bound unaligned
+    row). A prior that misses how efficiency grows with size (the roofline estimate
     of a GPU model it never saw) misses it more on the small GEMMs, which are the
     launch-bound ones: read on their work alone, that miss inflated the loss (a synthetic
     GPU whose efficiency spans 20x with size: 54% off at 5 unaligned probes, 26% with one
@@ -233,10 +240,9 @@ def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.
     ca, served = ca_work.copy(), work.copy()
     for i in np.unique(ai[ai >= 0]):
         s = ai == i
-        if s.sum() < MIN_PROBES_IN_DOMAIN:
-            continue
-        if np.median(np.abs(d[s] - ca_whole[i])) < np.median(np.abs(
-                d[s] - aligned_loss(ca_work[i], work[s]))):
+        if work[s].max() < WORK_IDENTIFIED or s.sum() >= MIN_PROBES_IN_DOMAIN and np.median(
+                np.abs(d[s] - ca_whole[i])) < np.median(np.abs(
+                    d[s] - aligned_loss(ca_work[i], work[s]))):
             on_work[i], ca[i], served[s] = False, ca_whole[i], 1.0
     return on_work, ca, served
 

@@ -231,7 +231,9 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
         if (known is not None or more) and f"{dtype}/{kernel}" not in pairs \
                 and kernel in kernels:
             out["dtype"][sel] = True
-            parts.append(f"no {dtype} {kernel} data on this GPU")
+            parts.append(f"too few aligned {dtype} {kernel} probes on this GPU"
+                         if f"{dtype}/{kernel}" in more.get("unaligned_pairs", ()) else
+                         f"no {dtype} {kernel} data on this GPU")
         elif known is None and not more and dtype not in rec.get("dtypes", []):
             out["dtype"][sel] = True
             parts.append(f"no {dtype} data")
@@ -327,15 +329,19 @@ def prior_domain(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
     covers it: no probed alignment (an offset per dtype cannot follow unaligned shapes
     one by one), and only the dtype/kernel pairs whose offsets aligned probes set and
     those probes' sizes ("offset_pairs", "offset_size", where recorded; none without
-    aligned probes: unaligned probes say nothing of the aligned rows)."""
+    aligned probes: unaligned probes say nothing of the aligned rows; such pairs are
+    kept as "unaligned_pairs", for the reason's text)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for tg, e in extra.items():
         for g, d in e.items():
             d = {k: v for k, v in d.items() if k not in ("align", "offset_pairs",
                                                          "offset_size")} | (
                 {"pairs": d["offset_pairs"], "kernels": sorted(
-                    {p.split("/")[1] for p in d["offset_pairs"]})} if "offset_pairs" in d
-                else {}) | ({"size": d["offset_size"]} if "offset_size" in d else {})
+                    {p.split("/")[1] for p in d["offset_pairs"]}),
+                 "unaligned_pairs": [p for p in d.get("pairs", [])
+                                     if p not in d["offset_pairs"]]}
+                if "offset_pairs" in d else {}) | (
+                {"size": d["offset_size"]} if "offset_size" in d else {})
             out.setdefault(tg, {})[g] = {k: v for k, v in d.items() if v is not None}
     return out
 
@@ -350,6 +356,16 @@ def upward(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
     run = logs.get("runtime", (None,))[0]
     return {tg: align_widening(tg, tau_of(tg), flags["runtime" if tg == "energy" and
                                                      derived else tg], run) for tg in logs}
+
+
+def flags_both(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Domain flags of a product of two targets (energy as power x runtime): ``a``'s,
+    in the domain only where ``b`` is too, each row's reasons from both (once each). The
+    widening stays ``a``'s (the product's sd already holds ``b``'s)."""
+    reason = np.array(["; ".join(dict.fromkeys(p for r in (ra, rb) for p in str(r).split(
+        "; ") if p)) for ra, rb in zip(a["reason"], b["reason"])], dtype=object)
+    return dict(a, in_domain=np.asarray(a["in_domain"]) & np.asarray(b["in_domain"]),
+                reason=reason)
 
 
 def flags_where(mask: np.ndarray, a: Mapping[str, Any], b: Mapping[str, Any]

@@ -32,6 +32,7 @@ from gemmd.model.domain import (
     _reference_shapes,
     domain_flags,
     domain_record,
+    flags_both,
     result,
     to_predictions,
     upward,
@@ -297,8 +298,8 @@ class ForestModel:
         if "runtime" not in out:
             out["runtime"] = domain_flags(self.meta.get("domain"), t,
                                           (extra or {}).get("runtime"))
-        for target in derived:  # power x runtime: known where power is
-            out[target] = out.get("power", out["runtime"])
+        for target in derived:  # power x runtime: known where both are
+            out[target] = flags_both(out.get("power", out["runtime"]), out["runtime"])
         return out
 
     def domain_flags(self, t: Table) -> dict[str, Any]:
