@@ -269,9 +269,10 @@ def test_an_unaligned_offset_slows_the_work_not_the_launch():
     y = test["runtime_s"]
     r = tm.predict_table(test)["runtime"]
     assert np.mean(np.abs(r["point"] / y - 1)) < 0.06  # one loss for all: 8%
-    # (the lower end does not yet carry the loss's own uncertainty: 84-86% covered here,
-    # the misses below; one loss for all rows: 86-88%, its points twice as far off)
-    assert np.mean((r["lo"] <= y) & (y <= r["hi"])) >= 0.8
+    # (this draw's rows are covered 78-80%, in a 1.2x interval; widened upward before
+    # the fourteenth session, 84-86% in 4x; eight draws 90% and 93%: the coverage over
+    # draws is test_a_probed_loss_is_served_with_its_uncertainty_not_widened_upward's)
+    assert np.mean((r["lo"] <= y) & (y <= r["hi"])) >= 0.75
 
 
 def test_a_loss_of_the_whole_runtime_is_served_whatever_the_work_share():
@@ -304,6 +305,43 @@ def test_a_loss_of_the_whole_runtime_is_served_whatever_the_work_share():
     tm = TransferModel.fit(prior, probes, CFG, select=False)
     y = test["runtime_s"]
     assert np.median(np.abs(np.log(tm.predict_table(test)["runtime"]["point"] / y))) < 0.1
+
+
+def test_a_probed_loss_is_served_with_its_uncertainty_not_widened_upward(aligned_model):
+    """Where a new GPU's unaligned probes measured their dtype's loss, the calibrated
+    prior's unaligned rows carry that loss's uncertainty and the unaligned probes' own
+    scatter, on both ends; the upward widening for a loss nobody measured stays where
+    the probes were all aligned. (On the H200's random shapes at 5 probes the upper ends
+    sat 1.4-1.7 in log above the point and held every row, the lower ends missed up to
+    37%; bench/RESULTS.md, the fourteenth session.) Judged over draws of probes: one
+    draw of 7 held 77% of a GPU model's unaligned rows, eight 97% (the widened: 100%)."""
+    known = ForestModel.fit_table(gemms(H100, 400, 40), CFG)
+    for prior, n_al, n_odd in ((aligned_model, 4, 3), (known, 10, 10)):
+        cover, width, width0 = [], [], []
+        for seed in range(4):
+            al, odd = gemms(H100, n_al, 70 + seed), gemms(H100, n_odd, 80 + seed, odd=True)
+            test = gemms(H100, 60, 90 + seed, odd=True)
+            y = test["runtime_s"]
+            tm = TransferModel.fit(prior, features.concat([al, odd]), CFG, select=False)
+            assert tm.choice["runtime"] == "calibrated"
+            cal = tm.calibrations[H100.uuid]
+            w = unaligned_work(test, prior.prior_logs(test)[0])
+            added = np.array([cal.loss_variance("runtime", "bf16", x) for x in w])
+            assert np.all(added > 0) and cal.loss_variance("runtime", "bf16", 0.0) == 0.0
+            assert cal.variance("runtime", "bf16/blas", None, w[0]) == pytest.approx(
+                cal.variance("runtime", "bf16/blas") + added[0] * cal.scale.get("runtime", 1.0)
+                ** 2)
+            r = tm.predict_table(test)["runtime"]
+            up, down = np.log(r["hi"] / r["point"]), np.log(r["point"] / r["lo"])
+            assert np.allclose(up, down, rtol=1e-6)
+            assert not r["in_domain"].any()  # one loss per dtype: not its shapes one by one
+            cover.append(np.mean((r["lo"] <= y) & (y <= r["hi"])))
+            width.append(np.median(up + down))
+            r0 = TransferModel.fit(prior, al, CFG, select=False).predict_table(test)["runtime"]
+            up0, down0 = np.log(r0["hi"] / r0["point"]), np.log(r0["point"] / r0["lo"])
+            assert np.all(up0 > down0) and np.median(up0 - down0) > 0.3  # widened upward
+            width0.append(np.median(up0 + down0))
+        assert 0.85 <= np.mean(cover) and np.mean(width) < 0.9 * np.mean(width0)
 
 
 def test_launch_bound_unaligned_probes_slow_the_whole_runtime_not_the_work():

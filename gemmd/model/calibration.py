@@ -33,6 +33,7 @@ from gemmd.model.offsets import (
     group_n0,
     interval_scale,
     level_n0,
+    loss_slope,
     resid_dof0,
     unaligned,
     unaligned_work,
@@ -170,6 +171,9 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, _robust_offsets(
                     e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai, tau_a=tau_a)[2])
                 cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in set(ai[ai >= 0])}
+                slope = loss_slope(ca[np.maximum(ai, 0)], work) * (ai >= 0)
+                cal.align_precision[target] = {str(d_un[i]): float(np.sum(slope[ai == i] ** 2) + (
+                    s0 / tau_a) ** 2) for i in set(ai[ai >= 0])}
             cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in set(ai[ai >= 0])}
             resid = e - b - cg[gi]
             resid[ai >= 0] -= aligned_loss(ca[ai[ai >= 0]], work[ai >= 0])
@@ -179,6 +183,12 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             dof0 = resid_dof0(rec_logo, int(mine.sum())) if unknown else RESID_DOF0
             dof = dof0 + max(int(mine.sum()) - 1, 0)
             s2 = (dof0 * s0**2 + float(np.sum(resid[mine] ** 2))) / dof
+            # an unaligned dtype's own scatter, the device's worth RESID_DOF0 probes (its
+            # loss one more: a single probe's residual is nil); on a synthetic GPU the
+            # unaligned rows scattered 0.056 in log where its probes, all of them, 0.034
+            cal.align_scatter[target] = {str(d_un[i]): math.sqrt(
+                (RESID_DOF0 * s2 + float(np.sum(resid[ai == i] ** 2))) /
+                (RESID_DOF0 + int(np.sum(ai == i)) - 1)) for i in set(ai[ai >= 0])}
             for i in np.flatnonzero(new_kernel):
                 r_g = resid[gi == i]
                 cal.group_scatter.setdefault(target, {})[str(names[i])] = math.sqrt(
@@ -259,6 +269,26 @@ def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], 
         off = np.array([cals[uuids[int(d)]].offset(target, g, a) if uuids[int(d)] in cals
                         else 0.0 for d, g, a in zip(t.device, groups, work)])
         out[target] = mu + off
+    return out
+
+
+def probed_losses(t: Table, cals: Sequence[DeviceCalibration | None],
+                  flags: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The calibrated prior's domain flags (``flags``, per target) with "align_probed"
+    set on the unaligned rows of a target of ALIGN_UPWARD whose dtype's loss the row's
+    device's probes measured (``cals`` by device index): their offset holds that loss
+    and their variance its uncertainty (DeviceCalibration.loss_variance), so their
+    interval is not widened upward as if the loss were unknown (domain.align_widening;
+    on the H200's random shapes at 5 probes, with one unaligned probe of the dtype or
+    more, the upper ends sat 1.4-1.7 in log above the point and held every row, the
+    lower ends missed up to 37%). Still outside the domain: one offset per dtype."""
+    un, dts = unaligned(t), t["dtype"].astype(str)
+    out = {}
+    for target, f in flags.items():
+        probed = np.array([bool(u) and target in ALIGN_UPWARD and c is not None and dt in
+                           c.align_precision.get(target, {}) for u, dt, c in
+                           zip(un, dts, (cals[int(d)] for d in t.device))])
+        out[target] = dict(f, align_probed=probed)
     return out
 
 

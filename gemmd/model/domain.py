@@ -173,7 +173,8 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     _SIZES it lies farthest beyond; "size_by": per dimension, n x 4), "align" (aligned to
     fewer bytes than the GPU model's rows of that dtype, or with none, any GPU's;
     "align_seen": such rows of which other GPU models' rows of the dtype were trained on
-    as unaligned), "in_domain" and
+    as unaligned; "align_probed": such rows whose loss a calibration's probes measured,
+    all False here: calibration.probed_losses), "in_domain" and
     "reason" (a short text, '' in domain). ``extra`` (by GPU model key) adds data a
     calibration has seen on a device. A model without a record (older files) is taken
     to know everything.
@@ -190,7 +191,7 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
     out: dict[str, Any] = {"gpu": np.zeros(n, bool), "dtype": np.zeros(n, bool),
                            "kernel": np.zeros(n, bool), "size": np.zeros(n),
                            "size_by": np.zeros((n, len(_SIZES))), "align": np.zeros(n, bool),
-                           "align_seen": np.zeros(n, bool),
+                           "align_seen": np.zeros(n, bool), "align_probed": np.zeros(n, bool),
                            "in_domain": np.ones(n, bool), "reason": np.full(n, "", object)}
     if not rec or not n:
         return out
@@ -309,7 +310,7 @@ def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, An
     share of the predicted runtime (``runtime_log``) beyond LAUNCH_S. Not where other GPU
     models were trained at that alignment ("align_seen": the forest may have carried
     their loss, too much or too little) nor for other targets: widen widens both ends."""
-    up = flags["align"] & ~flags["align_seen"]
+    up = flags["align"] & ~flags["align_seen"] & ~np.asarray(flags.get("align_probed", False))
     if target not in ALIGN_UPWARD or runtime_log is None or not up.any():
         return np.zeros(len(up))
     return np.where(up, _align_spread(target, tau, runtime_log), 0.0)
@@ -419,8 +420,8 @@ def align_both_ways(target: str, tau: Mapping[str, float], flags: Mapping[str, A
         return np.where(flags["align"], tau.get("align", OOD_SD["power"]["align"]), 0.0)
     if runtime_log is None:
         return np.zeros(len(flags["align"]))
-    return np.where(flags["align"] & flags["align_seen"],
-                    _align_spread(target, tau, runtime_log), 0.0)
+    both = flags["align"] & flags["align_seen"] & ~np.asarray(flags.get("align_probed", False))
+    return np.where(both, _align_spread(target, tau, runtime_log), 0.0)
 
 
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],

@@ -118,6 +118,14 @@ class DeviceCalibration:
     # per target and dtype: whether that offset slows the work alone (else the whole
     # runtime: calibration._align_on_work)
     align_on_work: dict[str, dict[str, bool]] = field(default_factory=dict)
+    # per target and dtype: the precision of align_offset, in probes whose loss moves one
+    # for one with it (the sum of d loss / d offset squared over its probes, plus the
+    # shrinkage's pseudo-count): its uncertainty (loss_variance)
+    align_precision: dict[str, dict[str, float]] = field(default_factory=dict)
+    # and the scatter of its unaligned rows about it (the loss varies with the shape
+    # beyond what the work share says): the device's, as many probes' worth as the
+    # device's scatter guess, and the dtype's unaligned probes' residuals
+    align_scatter: dict[str, dict[str, float]] = field(default_factory=dict)
     # per target, on a GPU model the prior never saw: the factor on the interval that
     # leave-one-GPU-out's simulated calibrations found to hold the nominal share
     # (interval_scale; not on a kernel the prior never saw, which they did not judge)
@@ -143,16 +151,36 @@ class DeviceCalibration:
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + (
             float(aligned_loss(ca, work)) if ca else 0.0)
 
-    def variance(self, target: str, group: str, unseen_sd: float | None = None) -> float:
+    def loss_variance(self, target: str, dtype: str, work: float) -> float:
+        """The variance an unaligned row (``work``: its work share, 0 where aligned) adds
+        to an aligned one's, where the probes measured its dtype's loss (else 0): its
+        scatter is the unaligned probes' (align_scatter) where wider than the device's
+        (an unaligned row is no surer than an aligned one: a few unaligned probes' small
+        residuals beside the device's scatter guess are not evidence of it), and it
+        takes the loss's uncertainty, that scatter over the loss's precision times the
+        row's d loss / d offset squared (1 where the loss slows the whole runtime)."""
+        prec = self.align_precision.get(target, {}).get(dtype)
+        if not work or prec is None:
+            return 0.0
+        ca = self.align_offset[target][dtype]
+        w = work if self.align_on_work.get(target, {}).get(dtype, True) else 1.0
+        s2 = self.sd[target] ** 2
+        su2 = self.align_scatter.get(target, {}).get(dtype, self.sd[target]) ** 2
+        return max(su2 - s2, 0.0) + su2 * float(loss_slope(ca, w)) ** 2 / prec
+
+    def variance(self, target: str, group: str, unseen_sd: float | None = None,
+                 work: float = 0.0) -> float:
         """Variance of a new measurement around the calibrated prediction (log space).
         ``unseen_sd``: the prior spread of ``group``'s offset where neither the prior nor
         the probes saw it (a kernel the prior never ran: OOD_SD's "kernel"); else that
-        of a dtype outside the domain."""
+        of a dtype outside the domain. ``work``: an unaligned row's work share (its
+        loss's uncertainty, loss_variance)."""
         s2 = self.sd[target] ** 2
         own = self.group_scatter.get(target, {}).get(group)
         if own is not None:
             s2 = own**2
-        var = s2 * (1.0 + 1.0 / self.precision[target])
+        var = s2 * (1.0 + 1.0 / self.precision[target]) + self.loss_variance(
+            target, group.split("/")[0], work)
         n_g = self.offset_counts.get(target, self.counts.get(target, {})).get(group, 0)
         tau = self.group_sd.get(target, {}).get(group)
         if tau is None:  # a group neither the prior nor the probes saw
@@ -186,6 +214,13 @@ def aligned_loss(ca: Any, work: Any) -> Any:
     compute-bound one's (fp16 at a work share of 0.3-0.7: 1.27 in log; above 0.95: 1.71;
     docs/model.md, "Alignment")."""
     return np.log1p(np.asarray(work) * np.expm1(ca))
+
+
+def loss_slope(ca: Any, work: Any) -> Any:
+    """d aligned_loss / d ``ca``: how much of a change in the dtype's offset a row with
+    that ``work`` share takes (1 at a share of 1)."""
+    work = np.asarray(work)
+    return work * np.exp(ca) / (1.0 + work * np.expm1(ca))
 
 
 def _groups(t: Table) -> np.ndarray:
@@ -230,7 +265,7 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
                 d, xu, iu, lam = (e - b - cg[gi])[un], x[un], ai[un], s0**2 / tau_a**2
                 for _ in range(3):
                     f = 1.0 + xu * np.expm1(ca[iu])
-                    jac = xu * np.exp(ca[iu]) / f
+                    jac = loss_slope(ca[iu], xu)
                     ca = np.clip(ca + (np.bincount(iu, weights=w[un] * jac * (d - np.log(f)),
                                                    minlength=len(ca)) - lam * ca) /
                                  (np.bincount(iu, weights=w[un] * jac**2, minlength=len(ca)) +

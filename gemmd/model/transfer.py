@@ -19,7 +19,7 @@ from gemmd.errors import ModelError
 from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.hardware import gpu_model_key
-from gemmd.model.calibration import _calibrated_logs, calibrate, with_probe_sources
+from gemmd.model.calibration import _calibrated_logs, calibrate, probed_losses, with_probe_sources
 from gemmd.model.domain import (
     MIN_SD,
     beyond_widening,
@@ -334,13 +334,13 @@ class TransferModel:
         t = with_probe_sources(t, cals)
         logs, flags0 = self.prior.prior_logs(t)
         extra: dict[str, dict[str, Any]] = {}
-        for cal_ in cals:
-            if cal_ is not None:
-                for target, dom in cal_.domain.items():
-                    extra.setdefault(target, {})[cal_.gpu] = dom
+        for cal_ in (c for c in cals if c is not None):
+            for target, dom in cal_.domain.items():
+                extra.setdefault(target, {})[cal_.gpu] = dom
         flags = self.prior.target_flags(t, extra) if extra else flags0
-        # the calibrated prior: prior flags for unaligned shapes, its offsets' pairs
-        flags_prior = self.prior.target_flags(t, prior_domain(extra)) if extra else flags0
+        # the calibrated prior: prior flags for unaligned shapes (losses probed), its pairs
+        flags_prior = probed_losses(t, cals, self.prior.target_flags(t, prior_domain(
+            extra))) if extra else flags0
         on_prior = np.zeros(len(t), dtype=bool)
         groups, work = _groups(t), unaligned_work(t, logs)
         zrow = np.full(len(t), self.z)
@@ -416,7 +416,8 @@ class TransferModel:
                 # the estimate, went from a 14x interval at no probe to a 3x one at 5
                 # probes of CUTLASS)
                 var = np.array([cal.variance(target, g, None if g.split("/")[1] in kernels
-                                             else tau["kernel"]) for g in groups[idx]])
+                                             else tau["kernel"], w)
+                                for g, w in zip(groups[idx], work[idx])])
                 mu[idx] += off
                 extra_sz = beyond[idx] ** 2
                 if choice == "residual" and target in res_logs:
@@ -462,8 +463,7 @@ class TransferModel:
         """The floor under the few-probe trees' spread where they serve ``recipe``: as the
         cross-validation judged it, that recipe's ("few", "residual"; "few" for "blend",
         whose trees' part it judged with it); none for the calibrated prior, judged on
-        those trees without one (until the eighth session of 2026-11-26 "few"'s was added
-        whatever the recipe: a factor judged on one interval applied to a wider one)."""
+        those trees without one (a factor judged on one interval is not for another)."""
         if recipe == "calibrated":
             return 0.0
         rec = self._cv_record(target, "few" if recipe == "blend" else recipe)
