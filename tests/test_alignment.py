@@ -344,6 +344,36 @@ def test_a_probed_loss_is_served_with_its_uncertainty_not_widened_upward(aligned
         assert 0.85 <= np.mean(cover) and np.mean(width) < 0.9 * np.mean(width0)
 
 
+def test_a_new_kernels_unaligned_probes_leave_their_dtypes_loss_out_of_its_offset(
+        aligned_model):
+    """Probes of a kernel the prior never ran (CUTLASS here) keep its own offset, as wide
+    as such a kernel's; where they are unaligned and the known kernel's unaligned probes
+    measured the dtype's loss, that loss is taken off them first: six CUTLASS probes one
+    element off the same shapes give about the offset the aligned ones give (before, 1.12
+    against 0.31 in log: the loss in the group's offset, so counted twice on its
+    unaligned rows and once on its aligned ones)."""
+    def cutlass(odd: int) -> Table:
+        dims = 2 ** np.random.default_rng(7).integers(9, 13, size=(6, 3)) + odd
+        t = Table.from_rows([{"m": int(m), "n": int(n), "k": int(k), "dtype": "bf16",
+                              "kernel": "cutlass"} for m, n, k in dims], [H100] * 6)
+        t.cols["runtime_s"] = compute_s(t) * (SLOWER if odd else 1.0) + 4e-6
+        return t
+
+    blas = features.concat([gemms(H100, 6, 1), gemms(H100, 6, 2, odd=True)])
+    cal = {odd: calibrate(aligned_model, features.concat([blas, cutlass(odd)]))[H100.uuid]
+           for odd in (0, 1)}
+    offs = {odd: c.groups["runtime"]["bf16/cutlass"] for odd, c in cal.items()}
+    assert abs(offs[1] - offs[0]) < 0.3
+    assert cal[1].align_offset["runtime"]["bf16"] == pytest.approx(
+        cal[0].align_offset["runtime"]["bf16"], abs=0.05)  # the known kernel's alone
+    # served: an unaligned CUTLASS row takes its group's offset and the dtype's loss once
+    test = cutlass(1)
+    base = aligned_model.prior_logs(test)[0]["runtime"][0]
+    served = _calibrated_logs(aligned_model, {H100.uuid: cal[1]}, test)["runtime"]
+    ref = _calibrated_logs(aligned_model, {H100.uuid: cal[0]}, test)["runtime"]
+    assert np.all(np.abs(served - ref) < 0.3) and np.all(served > base)
+
+
 def test_launch_bound_unaligned_probes_slow_the_whole_runtime_not_the_work():
     """Two unaligned probes at a work share of 0.03 and 0.05, each twice as slow: read as
     a loss of the work, the dtype's offset were about exp(3) = 20x on a compute-bound

@@ -119,10 +119,13 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # moved every aligned row: the H200's fp16 at 5 random probes, half unaligned,
             # 82.5% off where none gave 15.1%); power is not shifted that way
             # (a kernel the prior never ran: its own offset, as wide as such a kernel's,
-            # takes its probes whatever their alignment)
-            d_un, ai = np.unique(t["dtype"][sel][ok].astype(str), return_inverse=True)
-            ai = np.where(unal[sel][ok] & ~new_kernel[gi], ai.ravel(), -1) \
+            # takes its probes whatever their alignment, its unaligned ones less their
+            # dtype's loss where the other kernels' probes measured it: ``an``)
+            d_un, di = np.unique(t["dtype"][sel][ok].astype(str), return_inverse=True)
+            di = di.ravel()
+            ai = np.where(unal[sel][ok] & ~new_kernel[gi], di, -1) \
                 if target in ALIGN_UPWARD else np.full(len(e), -1)
+            an = np.where(unal[sel][ok] & new_kernel[gi] & np.isin(di, ai), di, -1)
             # each probe's weight in the level: 1 / the aligned probes of its shape (the
             # dtypes of a shape share its error; an unaligned one has no part in the level)
             sid = np.unique(shape_ids[sel][ok], return_inverse=True)[1].ravel()
@@ -166,10 +169,11 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # the dtype's probes say the loss is the whole runtime's (_align_on_work)
             work, tau_a = work_all[sel][ok], tau_o.get("align", 1.0)
             b, cg, ca = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g,
-                                        ai=ai, tau_a=tau_a, work=work)
+                                        ai=ai, tau_a=tau_a, work=work, an=an)
             if (ai >= 0).any():
                 on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, _robust_offsets(
-                    e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai, tau_a=tau_a)[2])
+                    e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai, tau_a=tau_a,
+                    an=an)[2], an)
                 cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in set(ai[ai >= 0])}
                 slope = loss_slope(ca[np.maximum(ai, 0)], work) * (ai >= 0)
                 cal.align_precision[target] = {str(d_un[i]): float(np.sum(slope[ai == i] ** 2) + (
@@ -177,6 +181,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in set(ai[ai >= 0])}
             resid = e - b - cg[gi]
             resid[ai >= 0] -= aligned_loss(ca[ai[ai >= 0]], work[ai >= 0])
+            resid[an >= 0] -= aligned_loss(ca[an[an >= 0]], work[an >= 0])
             mine = ~new_kernel[gi]
             # the scatter guess s0 against the probes' own: as leave-one-GPU-out chose
             # on a GPU model the prior never saw, for as many probes of kernels it ran
@@ -229,7 +234,8 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
 
 
 def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.ndarray,
-                   ca_whole: np.ndarray) -> tuple[list[bool], np.ndarray, np.ndarray]:
+                   ca_whole: np.ndarray, an: np.ndarray | None = None
+                   ) -> tuple[list[bool], np.ndarray, np.ndarray]:
     """Per dtype of the unaligned probes (``ai``; ``d`` their log residuals beyond the
     level and groups): whether its loss slows the work alone (offset ``ca_work``, the
     probes' ``work`` shares) or the whole runtime (``ca_whole``): the work, unless
@@ -245,7 +251,8 @@ def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.
     their unaligned rows at 5 probes from 31-71% off to 22-35% (bench/RESULTS.md, the
     thirteenth session).
     Returns the choice per dtype index, the offsets and the work shares as served (1
-    where the whole runtime is slowed)."""
+    where the whole runtime is slowed; ``an``'s probes, which take a dtype's loss
+    without setting it, as their dtype's)."""
     on_work = [True] * len(ca_work)
     ca, served = ca_work.copy(), work.copy()
     for i in np.unique(ai[ai >= 0]):
@@ -254,6 +261,8 @@ def _align_on_work(d: np.ndarray, ai: np.ndarray, work: np.ndarray, ca_work: np.
                 np.abs(d[s] - ca_whole[i])) < np.median(np.abs(
                     d[s] - aligned_loss(ca_work[i], work[s]))):
             on_work[i], ca[i], served[s] = False, ca_whole[i], 1.0
+            if an is not None:
+                served[an == i] = 1.0
     return on_work, ca, served
 
 

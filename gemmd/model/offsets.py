@@ -223,6 +223,14 @@ def loss_slope(ca: Any, work: Any) -> Any:
     return work * np.exp(ca) / (1.0 + work * np.expm1(ca))
 
 
+def _taken_loss(ca: np.ndarray, an: np.ndarray, work: np.ndarray) -> np.ndarray:
+    """Per probe: the unaligned loss (offset ``ca[an]`` on its ``work`` share) taken off
+    a probe that does not set it (_robust_offsets' ``an``), 0 elsewhere."""
+    if not len(ca) or not (an >= 0).any():
+        return np.zeros(len(an))
+    return np.where(an >= 0, aligned_loss(ca[np.maximum(an, 0)], work), 0.0)
+
+
 def _groups(t: Table) -> np.ndarray:
     return np.array([f"{d}/{k}" for d, k in zip(t["dtype"], t["kernel"])], dtype=object)
 
@@ -231,7 +239,8 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
                     tau_g: np.ndarray, u: np.ndarray | None = None,
                     s0_g: np.ndarray | None = None, k: float = 1.345,
                     ai: np.ndarray | None = None, tau_a: float = 1.0,
-                    work: np.ndarray | None = None) -> tuple[float, np.ndarray, np.ndarray]:
+                    work: np.ndarray | None = None, an: np.ndarray | None = None
+                    ) -> tuple[float, np.ndarray, np.ndarray]:
     """Level b and group offsets with e ~ b + cg[gi] + noise: each shrunk toward 0 (the
     prior) by its prior spread, and Huber-weighted, so that one launch-bound or
     thermally throttled probe among five does not move a device's whole calibration.
@@ -243,10 +252,16 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
     device's level, and the level and groups are the aligned probes' (returned third,
     per index). ``work``: per probe, its work share, which alone the unaligned offset
     slows (aligned_loss; 1: the whole runtime; least squares in log runtime, so that a
-    launch-bound probe, which says little of what its work lost, weighs little)."""
+    launch-bound probe, which says little of what its work lost, weighs little).
+    ``an``: per probe, the index of a dtype's unaligned offset it takes without setting
+    it (-1 elsewhere; an unaligned probe of a kernel the prior never ran): that loss is
+    taken off it before it speaks for its level and group, which a row of its group is
+    served beside the loss (before, its group's offset took its loss too: counted twice
+    on its unaligned rows, and once on its aligned ones)."""
     s0_g = np.full(groups, s0) if s0_g is None else s0_g
     u = np.ones(len(e)) if u is None else u
     ai = np.full(len(e), -1) if ai is None else ai
+    an = np.full(len(e), -1) if an is None else an
     un = ai >= 0
     x = np.ones(len(e)) if work is None else np.maximum(work, MIN_WORK)
     w = np.ones(len(e))
@@ -258,8 +273,9 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
             # (a dtype probed unaligned only left the loss in the level)
             wa = np.where(un, 0.0, w)
             wu = wa * u
-            b = float(np.sum(wu * (e - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
-            cg = np.bincount(gi, weights=wa * (e - b), minlength=groups) / \
+            ea = e - _taken_loss(ca, an, x)
+            b = float(np.sum(wu * (ea - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
+            cg = np.bincount(gi, weights=wa * (ea - b), minlength=groups) / \
                 (np.bincount(gi, weights=wa, minlength=groups) + s0_g**2 / tau_g**2)
             if len(ca):  # Gauss-Newton steps on d = aligned_loss(ca, work), shrunk
                 d, xu, iu, lam = (e - b - cg[gi])[un], x[un], ai[un], s0**2 / tau_a**2
@@ -271,7 +287,7 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
                                  (np.bincount(iu, weights=w[un] * jac**2, minlength=len(ca)) +
                                   lam), -3.0, 5.0)
         r = e - b - cg[gi] - np.where(un, aligned_loss(ca[np.maximum(ai, 0)], x)
-                                      if len(ca) else 0.0, 0.0)
+                                      if len(ca) else 0.0, 0.0) - _taken_loss(ca, an, x)
         mad = 1.4826 * float(np.median(np.abs(r)))
         scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
         # a group expected to scatter more than the others (a kernel the prior never
