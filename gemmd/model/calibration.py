@@ -178,6 +178,9 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 slope = loss_slope(ca[np.maximum(ai, 0)], work) * (ai >= 0)
                 cal.align_precision[target] = {str(d_un[i]): float(np.sum(slope[ai == i] ** 2) + (
                     s0 / tau_a) ** 2) for i in set(ai[ai >= 0])}
+                al = aligns[np.flatnonzero(sel)[ok]]
+                cal.align_least[target] = {str(d_un[i]): float(al[ai == i].min())
+                                           for i in set(ai[ai >= 0])}
             cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in set(ai[ai >= 0])}
             resid = e - b - cg[gi]
             resid[ai >= 0] -= aligned_loss(ca[ai[ai >= 0]], work[ai >= 0])
@@ -285,18 +288,21 @@ def probed_losses(t: Table, cals: Sequence[DeviceCalibration | None],
                   flags: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The calibrated prior's domain flags (``flags``, per target) with "align_probed"
     set on the unaligned rows of a target of ALIGN_UPWARD whose dtype's loss the row's
-    device's probes measured (``cals`` by device index): their offset holds that loss
-    and their variance its uncertainty (DeviceCalibration.loss_variance), so their
-    interval is not widened upward as if the loss were unknown (domain.align_widening;
-    on the H200's random shapes at 5 probes, with one unaligned probe of the dtype or
-    more, the upper ends sat 1.4-1.7 in log above the point and held every row, the
-    lower ends missed up to 37%). Still outside the domain: one offset per dtype."""
-    un, dts = unaligned(t), t["dtype"].astype(str)
+    device's probes measured (``cals`` by device index), at the row's alignment or
+    below it (align_least: a loss measured at 8 bytes says little of 2): their offset
+    holds that loss and their variance its uncertainty (DeviceCalibration.loss_variance),
+    so their interval is not widened upward as if the loss were unknown
+    (domain.align_widening; on the H200's random shapes at 5 probes, with one unaligned
+    probe of the dtype or more, the upper ends sat 1.4-1.7 in log above the point and
+    held every row, the lower ends missed up to 37%). Still outside the domain: one
+    offset per dtype."""
+    un, dts, al = unaligned(t), t["dtype"].astype(str), align_log2(t)
     out = {}
     for target, f in flags.items():
-        probed = np.array([bool(u) and target in ALIGN_UPWARD and c is not None and dt in
-                           c.align_precision.get(target, {}) for u, dt, c in
-                           zip(un, dts, (cals[int(d)] for d in t.device))])
+        least = {i: c.align_least.get(target, {}) for i, c in enumerate(cals) if c}
+        probed = np.array([bool(u) and target in ALIGN_UPWARD and int(d) in least and
+                           a >= least[int(d)].get(dt, np.inf)
+                           for u, dt, d, a in zip(un, dts, t.device, al)])
         out[target] = dict(f, align_probed=probed)
     return out
 

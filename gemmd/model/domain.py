@@ -369,6 +369,26 @@ def flags_both(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
                 reason=reason)
 
 
+def served_flags(out: Mapping[str, Any], on_prior: Mapping[str, np.ndarray],
+                 zrows: Mapping[str, np.ndarray], prior: Mapping[str, Mapping[str, Any]],
+                 other: Mapping[str, Mapping[str, Any]]
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+    """Per target of ``out``: the domain flags of the rows it was served, ``prior``'s
+    where ``on_prior[target]`` (the calibrated prior), ``other``'s elsewhere, and each
+    row's interval quantile (``zrows[target]``). Energy derived as power x runtime (in
+    ``out``, not in ``on_prior``) takes flags_both of theirs and the larger quantile:
+    each target its own recipe's (before, one mask and one quantile for all: a runtime
+    served by trees lost its upward widening where power was served by the calibrated
+    prior, and took power's quantile)."""
+    per = {tg: flags_where(on_prior[tg], prior.get(tg, prior["runtime"]),
+                           other.get(tg, other["runtime"])) for tg in out if tg in on_prior}
+    z = {tg: zrows[tg] for tg in per}
+    if "energy" in out and "energy" not in per and {"power", "runtime"} <= set(per):
+        per["energy"] = flags_both(per["power"], per["runtime"])
+        z["energy"] = np.maximum(z["power"], z["runtime"])
+    return per, z
+
+
 def flags_where(mask: np.ndarray, a: Mapping[str, Any], b: Mapping[str, Any]
                 ) -> dict[str, Any]:
     """Domain flags (domain_flags' arrays) of ``a`` where ``mask``, of ``b`` elsewhere."""
@@ -425,17 +445,21 @@ def align_both_ways(target: str, tau: Mapping[str, float], flags: Mapping[str, A
 
 
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
-           flags: Mapping[str, Mapping[str, Any]], z: float | np.ndarray,
+           flags: Mapping[str, Mapping[str, Any]],
+           z: float | np.ndarray | Mapping[str, np.ndarray],
            up: Mapping[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
     """predict_table's answer from log points and sds and each target's domain flags
-    (``flags[target]``): z may be one value or per row; ``up``, per target, a log sd
-    added to the upper end alone (align_widening)."""
+    (``flags[target]``): z may be one value, per row, or per target and row; ``up``, per
+    target, a log sd added to the upper end alone (align_widening)."""
     up = up or {}
-    return {target: {"point": np.exp(mu), "lo": np.exp(mu - z * sd),
-                     "hi": np.exp(mu + z * np.hypot(sd, up.get(target, 0.0))), "sigma": sd,
-                     "in_domain": flags[target]["in_domain"],
-                     "domain": flags[target]["reason"]}
-            for target, (mu, sd) in logs.items()}
+    out = {}
+    for target, (mu, sd) in logs.items():
+        zt = z[target] if isinstance(z, Mapping) else z
+        out[target] = {"point": np.exp(mu), "lo": np.exp(mu - zt * sd),
+                       "hi": np.exp(mu + zt * np.hypot(sd, up.get(target, 0.0))), "sigma": sd,
+                       "in_domain": flags[target]["in_domain"],
+                       "domain": flags[target]["reason"]}
+    return out
 
 
 def to_predictions(out: Mapping[str, Mapping[str, np.ndarray]], n: int) -> list[Prediction]:

@@ -1,7 +1,6 @@
 """TransferModel: a prior model of other GPUs carried over to new devices by their
 probes, with the recipe per target (the calibrated prior, few-probe trees, a blend,
-residual trees, a forest of the device's own) chosen by cross-validation over the
-probes."""
+residual trees, a forest of the device's own) chosen by cross-validation over them."""
 
 from __future__ import annotations
 
@@ -25,9 +24,9 @@ from gemmd.model.domain import (
     beyond_widening,
     domain_flags,
     domain_record,
-    flags_where,
     prior_domain,
     result,
+    served_flags,
     size_widening,
     to_predictions,
     upward,
@@ -340,10 +339,10 @@ class TransferModel:
         flags = self.prior.target_flags(t, extra) if extra else flags0
         # the calibrated prior: prior flags for unaligned shapes (losses probed), its pairs
         flags_prior = probed_losses(t, cals, self.prior.target_flags(t, prior_domain(
-            extra))) if extra else flags0
-        on_prior = np.zeros(len(t), dtype=bool)
+            extra)) if extra else flags0)
+        on_prior: dict[str, np.ndarray] = {}  # per target: the calibrated prior's rows
+        zrows: dict[str, np.ndarray] = {}  # per target: each row's interval quantile
         groups, work = _groups(t), unaligned_work(t, logs)
-        zrow = np.full(len(t), self.z)
         has = np.array([c is not None for c in cals])[t.device]
         used = {self.choice.get(tg, "calibrated") for tg in logs} if has.any() else set()
         if has.any() and (self.few_groups or "blend" in used):
@@ -364,6 +363,8 @@ class TransferModel:
                 "kernels", []))
             mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau, runtime_log=run)
             choice = self.choice.get(target, "calibrated")
+            zrow, onp = zrows[target], on_prior[target] = np.full(len(t), self.z), np.zeros(
+                len(t), dtype=bool)
             # per row, the widening for lying beyond the probes' sizes (the trees on them
             # extrapolate flat), and beyond the prior's
             near = size_widening(tau, near_fl, least=False) if near_fl is not None else \
@@ -432,7 +433,7 @@ class TransferModel:
                     target, "calibrated", t["kernel"][idx],
                     self._cv_record(target, "calibrated").get("scale", 1.0))
                 extra_sz = beyond_prior[idx] ** 2
-                on_prior[idx] = True
+                onp[idx] = True
                 sd[idx] = np.sqrt(var + extra_sz) * c
                 ug, gi = np.unique(groups[idx].astype(str), return_inverse=True)
                 zrow[idx] = np.array([_t_quantile(cal.t_dof(target, g), 0.5 + float(
@@ -448,9 +449,8 @@ class TransferModel:
         if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
-        per = {tg: flags_where(on_prior, flags_prior.get(tg, flags_prior["runtime"]),
-                            flags.get(tg, flags["runtime"])) for tg in out}
-        res = result(out, per, zrow, upward(out, per, self.prior.ood_sd, self.prior.meta))
+        per, z = served_flags(out, on_prior, zrows, flags_prior, flags)
+        res = result(out, per, z, upward(out, per, self.prior.ood_sd, self.prior.meta))
         bounds.clip(res, t)
         return res
 
