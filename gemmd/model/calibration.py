@@ -174,13 +174,21 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, _robust_offsets(
                     e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai, tau_a=tau_a,
                     an=an)[2], an)
+                if not all(on_work):  # the level and groups beside the loss as served (a
+                    # new kernel's unaligned probes less the work's reading of it: its
+                    # offset -0.35 where 0.03, the level -0.70 where 0.05)
+                    b, cg, ca = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g,
+                                                ai=ai, tau_a=tau_a, work=work, an=an)
                 cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in set(ai[ai >= 0])}
                 slope = loss_slope(ca[np.maximum(ai, 0)], work) * (ai >= 0)
                 cal.align_precision[target] = {str(d_un[i]): float(np.sum(slope[ai == i] ** 2) + (
                     s0 / tau_a) ** 2) for i in set(ai[ai >= 0])}
+                # the alignment half its unaligned probes were at or below (its lower
+                # median; the least of them let one probe at 2 bytes among four at 8,
+                # whose loss the fit kept, vouch for every row at 2 bytes)
                 al = aligns[np.flatnonzero(sel)[ok]]
-                cal.align_least[target] = {str(d_un[i]): float(al[ai == i].min())
-                                           for i in set(ai[ai >= 0])}
+                cal.align_least[target] = {str(d_un[i]): float(np.sort(al[ai == i])[
+                    (int(np.sum(ai == i)) - 1) // 2]) for i in set(ai[ai >= 0])}
             cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in set(ai[ai >= 0])}
             resid = e - b - cg[gi]
             resid[ai >= 0] -= aligned_loss(ca[ai[ai >= 0]], work[ai >= 0])
@@ -288,8 +296,9 @@ def probed_losses(t: Table, cals: Sequence[DeviceCalibration | None],
                   flags: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """The calibrated prior's domain flags (``flags``, per target) with "align_probed"
     set on the unaligned rows of a target of ALIGN_UPWARD whose dtype's loss the row's
-    device's probes measured (``cals`` by device index), at the row's alignment or
-    below it (align_least: a loss measured at 8 bytes says little of 2): their offset
+    device's probes measured (``cals`` by device index), half of them at the row's
+    alignment or below it (align_least: a loss measured at 8 bytes says little of 2):
+    their offset
     holds that loss and their variance its uncertainty (DeviceCalibration.loss_variance),
     so their interval is not widened upward as if the loss were unknown
     (domain.align_widening; on the H200's random shapes at 5 probes, with one unaligned

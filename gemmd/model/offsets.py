@@ -126,8 +126,8 @@ class DeviceCalibration:
     # beyond what the work share says): the device's, as many probes' worth as the
     # device's scatter guess, and the dtype's unaligned probes' residuals
     align_scatter: dict[str, dict[str, float]] = field(default_factory=dict)
-    # and the least alignment its probes had (log2 bytes): rows aligned below it lose
-    # more than they measured (calibration.probed_losses)
+    # and the alignment (log2 bytes) half its probes had or less: rows aligned below it
+    # lose more than they measured (calibration.probed_losses)
     align_least: dict[str, dict[str, float]] = field(default_factory=dict)
     # per target, on a GPU model the prior never saw: the factor on the interval that
     # leave-one-GPU-out's simulated calibrations found to hold the nominal share
