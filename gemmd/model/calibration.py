@@ -298,13 +298,12 @@ def probed_losses(t: Table, cals: Sequence[DeviceCalibration | None],
     set on the unaligned rows of a target of ALIGN_UPWARD whose dtype's loss the row's
     device's probes measured (``cals`` by device index), half of them at the row's
     alignment or below it (align_least: a loss measured at 8 bytes says little of 2):
-    their offset
-    holds that loss and their variance its uncertainty (DeviceCalibration.loss_variance),
-    so their interval is not widened upward as if the loss were unknown
-    (domain.align_widening; on the H200's random shapes at 5 probes, with one unaligned
-    probe of the dtype or more, the upper ends sat 1.4-1.7 in log above the point and
-    held every row, the lower ends missed up to 37%). Still outside the domain: one
-    offset per dtype."""
+    their offset holds that loss and their variance its uncertainty
+    (DeviceCalibration.loss_variance), so their interval is not widened upward as if the
+    loss were unknown (domain.align_widening; on the H200's random shapes at 5 probes,
+    with one unaligned probe of the dtype or more, the upper ends sat 1.4-1.7 in log
+    above the point and held every row, the lower ends missed up to 37%). Still outside
+    the domain: one offset per dtype."""
     un, dts, al = unaligned(t), t["dtype"].astype(str), align_log2(t)
     out = {}
     for target, f in flags.items():
