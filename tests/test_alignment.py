@@ -19,7 +19,14 @@ from gemmd.model.calibration import (
     _unknown_priors,
     calibrate,
 )
-from gemmd.model.domain import ALIGN_MIN_ROWS, OOD_SD, align_log2, domain_flags, domain_record
+from gemmd.model.domain import (
+    ALIGN_MIN_ROWS,
+    OOD_SD,
+    align_log2,
+    domain_flags,
+    domain_record,
+    served_flags,
+)
 from gemmd.model.offsets import _robust_offsets, loss_slope, unaligned_work
 from gemmd.model.transfer import _fit_trees
 
@@ -427,6 +434,29 @@ def test_each_target_keeps_its_own_recipes_flags_and_quantile():
     alone = m.predict_table(test)["power"]
     for key in ("lo", "hi", "point", "in_domain"):
         assert np.array_equal(alone[key], res["calibrated"]["power"][key])
+
+
+def test_served_flags_are_each_targets_own_and_energy_joins_power_and_runtime():
+    """served_flags: per target, the calibrated prior's flags where that target's recipe
+    is the calibrated prior, the others elsewhere, and that target's quantile; energy
+    derived as power x runtime is out of the domain wherever either is, with the larger
+    of their quantiles."""
+    def flags(inside: list[bool], why: str) -> dict:
+        return {"in_domain": np.array(inside), "align": ~np.array(inside),
+                "reason": np.array(["" if x else why for x in inside], dtype=object)}
+
+    prior = {"runtime": flags([False, True, True], "r"), "power": flags([True, True, False], "p")}
+    other = {"runtime": flags([True, True, True], ""), "power": flags([True, False, True], "q")}
+    on_prior = {"runtime": np.array([True, False, False]), "power": np.array([False, True, True])}
+    zrows = {"runtime": np.array([2.0, 1.6, 1.6]), "power": np.array([1.7, 1.9, 1.7])}
+    out = dict.fromkeys(("runtime", "power", "energy"), (np.zeros(3), np.ones(3)))
+    per, z = served_flags(out, on_prior, zrows, prior, other)
+    assert per["runtime"]["in_domain"].tolist() == [False, True, True]
+    assert per["power"]["in_domain"].tolist() == [True, True, False]
+    assert per["energy"]["in_domain"].tolist() == [False, True, False]
+    assert per["energy"]["reason"].tolist() == ["r", "", "p"]
+    assert z["runtime"].tolist() == [2.0, 1.6, 1.6] and z["power"].tolist() == [1.7, 1.9, 1.7]
+    assert z["energy"].tolist() == [2.0, 1.9, 1.7]
 
 
 def test_a_new_kernels_unaligned_probes_leave_their_dtypes_loss_out_of_its_offset(
