@@ -4,6 +4,7 @@ fit-time validation measured; and the calibrated prior's log prediction."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from gemmd.model.offsets import (
     DeviceCalibration,
     _groups,
     _robust_offsets,
+    _unaligned_loss,
     aligned_loss,
     group_n0,
     interval_scale,
@@ -168,31 +170,28 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # what an unaligned probe's loss slows is its work, not its launch; unless
             # the dtype's probes say the loss is the whole runtime's (_align_on_work)
             work, tau_a = work_all[sel][ok], tau_o.get("align", 1.0)
-            b, cg, ca = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g,
-                                        ai=ai, tau_a=tau_a, work=work, an=an)
-            if (ai >= 0).any():
-                on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, _robust_offsets(
-                    e, gi, len(names), s0, tau_b, tau_g, u, s0_g, ai=ai, tau_a=tau_a,
-                    an=an)[2], an)
+            fit = functools.partial(_robust_offsets, e, gi, len(names), s0, tau_b, tau_g, u,
+                                    s0_g, ai=ai, tau_a=tau_a, an=an)
+            b, cg, ca = fit(work=work)
+            lost = np.unique(ai[ai >= 0])  # the dtypes (indices in d_un) probed unaligned
+            if len(lost):
+                on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, fit()[2], an)
                 if not all(on_work):  # the level and groups beside the loss as served (a
                     # new kernel's unaligned probes less the work's reading of it: its
                     # offset -0.35 where 0.03, the level -0.70 where 0.05)
-                    b, cg, ca = _robust_offsets(e, gi, len(names), s0, tau_b, tau_g, u, s0_g,
-                                                ai=ai, tau_a=tau_a, work=work, an=an)
-                cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in set(ai[ai >= 0])}
+                    b, cg, ca = fit(work=work)
+                cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in lost}
                 slope = loss_slope(ca[np.maximum(ai, 0)], work) * (ai >= 0)
                 cal.align_precision[target] = {str(d_un[i]): float(np.sum(slope[ai == i] ** 2) + (
-                    s0 / tau_a) ** 2) for i in set(ai[ai >= 0])}
+                    s0 / tau_a) ** 2) for i in lost}
                 # the alignment half its unaligned probes were at or below (its lower
                 # median; the least of them let one probe at 2 bytes among four at 8,
                 # whose loss the fit kept, vouch for every row at 2 bytes)
-                al = aligns[np.flatnonzero(sel)[ok]]
+                al = aligns[sel][ok]
                 cal.align_least[target] = {str(d_un[i]): float(np.sort(al[ai == i])[
-                    (int(np.sum(ai == i)) - 1) // 2]) for i in set(ai[ai >= 0])}
-            cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in set(ai[ai >= 0])}
-            resid = e - b - cg[gi]
-            resid[ai >= 0] -= aligned_loss(ca[ai[ai >= 0]], work[ai >= 0])
-            resid[an >= 0] -= aligned_loss(ca[an[an >= 0]], work[an >= 0])
+                    (int(np.sum(ai == i)) - 1) // 2]) for i in lost}
+            cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in lost}
+            resid = e - b - cg[gi] - _unaligned_loss(ca, ai, work) - _unaligned_loss(ca, an, work)
             mine = ~new_kernel[gi]
             # the scatter guess s0 against the probes' own: as leave-one-GPU-out chose
             # on a GPU model the prior never saw, for as many probes of kernels it ran
@@ -204,7 +203,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # unaligned rows scattered 0.056 in log where its probes, all of them, 0.034
             cal.align_scatter[target] = {str(d_un[i]): math.sqrt(
                 (RESID_DOF0 * s2 + float(np.sum(resid[ai == i] ** 2))) /
-                (RESID_DOF0 + int(np.sum(ai == i)) - 1)) for i in set(ai[ai >= 0])}
+                (RESID_DOF0 + int(np.sum(ai == i)) - 1)) for i in lost}
             for i in np.flatnonzero(new_kernel):
                 r_g = resid[gi == i]
                 cal.group_scatter.setdefault(target, {})[str(names[i])] = math.sqrt(

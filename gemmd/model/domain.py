@@ -310,7 +310,7 @@ def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, An
     share of the predicted runtime (``runtime_log``) beyond LAUNCH_S. Not where other GPU
     models were trained at that alignment ("align_seen": the forest may have carried
     their loss, too much or too little) nor for other targets: widen widens both ends."""
-    up = flags["align"] & ~flags["align_seen"] & ~np.asarray(flags.get("align_probed", False))
+    up = flags["align"] & ~flags["align_seen"] & ~flags["align_probed"]
     if target not in ALIGN_UPWARD or runtime_log is None or not up.any():
         return np.zeros(len(up))
     return np.where(up, _align_spread(target, tau, runtime_log), 0.0)
@@ -440,8 +440,8 @@ def align_both_ways(target: str, tau: Mapping[str, float], flags: Mapping[str, A
         return np.where(flags["align"], tau.get("align", OOD_SD["power"]["align"]), 0.0)
     if runtime_log is None:
         return np.zeros(len(flags["align"]))
-    both = flags["align"] & flags["align_seen"] & ~np.asarray(flags.get("align_probed", False))
-    return np.where(both, _align_spread(target, tau, runtime_log), 0.0)
+    return np.where(flags["align"] & flags["align_seen"] & ~flags["align_probed"],
+                    _align_spread(target, tau, runtime_log), 0.0)
 
 
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],

@@ -226,12 +226,12 @@ def loss_slope(ca: Any, work: Any) -> Any:
     return work * np.exp(ca) / (1.0 + work * np.expm1(ca))
 
 
-def _taken_loss(ca: np.ndarray, an: np.ndarray, work: np.ndarray) -> np.ndarray:
-    """Per probe: the unaligned loss (offset ``ca[an]`` on its ``work`` share) taken off
-    a probe that does not set it (_robust_offsets' ``an``), 0 elsewhere."""
-    if not len(ca) or not (an >= 0).any():
-        return np.zeros(len(an))
-    return np.where(an >= 0, aligned_loss(ca[np.maximum(an, 0)], work), 0.0)
+def _unaligned_loss(ca: np.ndarray, idx: np.ndarray, work: np.ndarray) -> np.ndarray:
+    """Per probe: the unaligned loss of its dtype (offset ``ca[idx]`` on its ``work``
+    share) where ``idx`` >= 0 (_robust_offsets' ``ai`` or ``an``), 0 elsewhere."""
+    if not len(ca) or not (idx >= 0).any():
+        return np.zeros(len(idx))
+    return np.where(idx >= 0, aligned_loss(ca[np.maximum(idx, 0)], work), 0.0)
 
 
 def _groups(t: Table) -> np.ndarray:
@@ -276,7 +276,7 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
             # (a dtype probed unaligned only left the loss in the level)
             wa = np.where(un, 0.0, w)
             wu = wa * u
-            ea = e - _taken_loss(ca, an, x)
+            ea = e - _unaligned_loss(ca, an, x)
             b = float(np.sum(wu * (ea - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
             cg = np.bincount(gi, weights=wa * (ea - b), minlength=groups) / \
                 (np.bincount(gi, weights=wa, minlength=groups) + s0_g**2 / tau_g**2)
@@ -289,8 +289,7 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
                                                    minlength=len(ca)) - lam * ca) /
                                  (np.bincount(iu, weights=w[un] * jac**2, minlength=len(ca)) +
                                   lam), -3.0, 5.0)
-        r = e - b - cg[gi] - np.where(un, aligned_loss(ca[np.maximum(ai, 0)], x)
-                                      if len(ca) else 0.0, 0.0) - _taken_loss(ca, an, x)
+        r = e - b - cg[gi] - _unaligned_loss(ca, ai, x) - _unaligned_loss(ca, an, x)
         mad = 1.4826 * float(np.median(np.abs(r)))
         scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
         # a group expected to scatter more than the others (a kernel the prior never

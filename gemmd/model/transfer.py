@@ -363,8 +363,8 @@ class TransferModel:
                 "kernels", []))
             mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau, runtime_log=run)
             choice = self.choice.get(target, "calibrated")
-            zrow, onp = zrows[target], on_prior[target] = np.full(len(t), self.z), np.zeros(
-                len(t), dtype=bool)
+            zrow = zrows[target] = np.full(len(t), self.z)
+            onp = on_prior[target] = np.zeros(len(t), dtype=bool)
             # per row, the widening for lying beyond the probes' sizes (the trees on them
             # extrapolate flat), and beyond the prior's
             near = size_widening(tau, near_fl, least=False) if near_fl is not None else \
