@@ -59,6 +59,22 @@ def gemms(info, n: int, seed: int, dtype: str = "bf16", odd: bool = False,
     return t
 
 
+def tiny(n: int, seed: int, odd: bool = False, kernel: str = "blas", lo: int = 5,
+         hi: int = 9) -> Table:
+    """bf16 GEMMs on an A100 whose launch is 1 us (below the 3 us a work share is read
+    against), sizes 2^lo..2^(hi-1); ``odd``: nudged off by an odd amount, the whole
+    runtime, launch included, SLOWER times slower."""
+    rng = np.random.default_rng(seed)
+    dims = 2 ** rng.integers(lo, hi, size=(n, 3))
+    if odd:
+        dims = dims + 2 * rng.integers(0, 4, size=(n, 3)) + 1
+    t = Table.from_rows([{"m": int(a), "n": int(b), "k": int(c), "dtype": "bf16",
+                          "kernel": kernel} for a, b, c in dims], [A100] * n)
+    t.cols["runtime_s"] = (compute_s(t) + 1e-6) * (SLOWER if odd else 1.0) * np.exp(
+        rng.normal(0, 0.03, n))
+    return t
+
+
 @pytest.fixture(scope="module")
 def aligned_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("align") / "m.skops"
@@ -289,17 +305,6 @@ def test_a_loss_of_the_whole_runtime_is_served_whatever_the_work_share():
     0): the dtype's probes fit one loss for the whole runtime better, and every unaligned
     row, probes and others, is served all of it (a review found such rows served none:
     their share of 0 was taken for aligned)."""
-    def tiny(n, seed, odd=False):
-        rng = np.random.default_rng(seed)
-        dims = 2 ** rng.integers(5, 9, size=(n, 3))
-        if odd:
-            dims = dims + 2 * rng.integers(0, 4, size=(n, 3)) + 1
-        t = Table.from_rows([{"m": int(a), "n": int(b), "k": int(c), "dtype": "bf16"}
-                             for a, b, c in dims], [A100] * n)
-        t.cols["runtime_s"] = (compute_s(t) + 1e-6) * (SLOWER if odd else 1.0) * np.exp(
-            rng.normal(0, 0.03, n))
-        return t
-
     prior = ForestModel.fit_table(tiny(300, 50), CFG)
     probes = features.concat([tiny(10, 51), tiny(8, 52, odd=True)])
     cal = calibrate(prior, probes)[A100.uuid]
@@ -495,18 +500,6 @@ def test_a_new_kernel_beside_a_loss_of_the_whole_runtime():
     same. The level and its offset are those beside the loss served, not beside the
     work's reading that _align_on_work set aside (a review found the level at -0.70, the
     new kernel's rows 3x too fast)."""
-    def tiny(n: int, seed: int, odd: bool = False, kernel: str = "blas", lo: int = 5,
-             hi: int = 9) -> Table:
-        rng = np.random.default_rng(seed)
-        dims = 2 ** rng.integers(lo, hi, size=(n, 3))
-        if odd:
-            dims = dims + 2 * rng.integers(0, 4, size=(n, 3)) + 1
-        t = Table.from_rows([{"m": int(a), "n": int(b), "k": int(c), "dtype": "bf16",
-                              "kernel": kernel} for a, b, c in dims], [A100] * n)
-        t.cols["runtime_s"] = (compute_s(t) + 1e-6) * (SLOWER if odd else 1.0) * np.exp(
-            rng.normal(0, 0.03, n))
-        return t
-
     prior = ForestModel.fit_table(tiny(300, 50), CFG)
     new_odd = tiny(6, 53, odd=True, kernel="cutlass", lo=10, hi=12)
     new_even = tiny(6, 54, kernel="cutlass", lo=10, hi=12)
