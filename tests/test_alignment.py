@@ -471,7 +471,8 @@ def test_a_new_kernels_unaligned_probes_leave_their_dtypes_loss_out_of_its_offse
     measured the dtype's loss, that loss is taken off them first: six CUTLASS probes one
     element off the same shapes give about the offset the aligned ones give (before, 1.12
     against 0.31 in log: the loss in the group's offset, so counted twice on its
-    unaligned rows and once on its aligned ones)."""
+    unaligned rows and once on its aligned ones). They do not put its aligned rows in
+    the calibrated prior's domain (they did: three of them sufficed)."""
     def cutlass(odd: int) -> Table:
         dims = 2 ** np.random.default_rng(7).integers(9, 13, size=(6, 3)) + odd
         t = Table.from_rows([{"m": int(m), "n": int(n), "k": int(k), "dtype": "bf16",
@@ -492,6 +493,14 @@ def test_a_new_kernels_unaligned_probes_leave_their_dtypes_loss_out_of_its_offse
     served = _calibrated_logs(aligned_model, {H100.uuid: cal[1]}, test)["runtime"]
     ref = _calibrated_logs(aligned_model, {H100.uuid: cal[0]}, test)["runtime"]
     assert np.all(np.abs(served - ref) < 0.3) and np.all(served > base)
+    assert [c.offset_counts["runtime"]["bf16/cutlass"] for c in cal.values()] == [6, 0]
+    assert "bf16/cutlass" in cal[1].domain["runtime"]["pairs"]
+    assert "bf16/cutlass" not in cal[1].domain["runtime"]["offset_pairs"]
+    for odd, c in cal.items():
+        r = TransferModel(aligned_model, {H100.uuid: c}).predict_table(cutlass(0))["runtime"]
+        assert r["in_domain"].all() == (not odd)
+        if odd:
+            assert all("too few aligned bf16 cutlass probes" in x for x in r["domain"])
 
 
 def test_a_new_kernel_beside_a_loss_of_the_whole_runtime():

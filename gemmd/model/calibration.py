@@ -218,9 +218,12 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             cal.counts[target] = {str(nm): int(v) for nm, v in zip(names, n_g)}
             # the probes behind each group's offset and the level: the aligned ones (an
             # unaligned probe's loss is its dtype's own; they counted as evidence of the
-            # aligned rows, three of them marking a group in the domain)
+            # aligned rows, three of them marking a group in the domain; a new kernel's,
+            # set in its offset less the loss the other kernels' probes measured, did
+            # until the fifteenth session: how it runs aligned they only guess)
+            aligned = (ai < 0) & (an < 0)
             cal.offset_counts[target] = {str(nm): int(v) for nm, v in zip(names, np.bincount(
-                gi[ai < 0], minlength=len(names)))}
+                gi[aligned], minlength=len(names)))}
             cal.group_sd[target] = {str(nm): float(v) for nm, v in zip(names, tau_g)}
             # groups the prior knows on this GPU but the probes did not cover
             for pair in known_pairs:
@@ -230,7 +233,7 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             cal.precision[target] = float(u[ai < 0].sum()) + s0**2 / tau_b**2
             probed = [p for p, n in cal.counts[target].items() if n >= MIN_PROBES_IN_DOMAIN]
             if probed:
-                x, xa = sizes[sel][ok], sizes[sel][ok][ai < 0]
+                x, xa = sizes[sel][ok], sizes[sel][ok][aligned]
                 cal.domain[target] = {
                     "pairs": probed, "kernels": sorted({p.split("/")[1] for p in probed}),
                     "size": size_range(x),

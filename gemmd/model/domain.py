@@ -225,16 +225,17 @@ def domain_flags(rec: Mapping[str, Any] | None, t: Table,
         if known is None and not more:
             out["gpu"][sel] = True
         kernels = set(rec.get("kernels", [])) | set(more.get("kernels", []))
+        # probed, but unaligned only (the calibrated prior's domain: prior_domain)
+        few = f"too few aligned {dtype} {kernel} probes on this GPU" \
+            if f"{dtype}/{kernel}" in more.get("unaligned_pairs", ()) else ""
         if kernel not in kernels:
             out["kernel"][sel] = True
-            parts.append(f"no {kernel} kernel data")
+            parts.append(few or f"no {kernel} kernel data")
         pairs = set((known or {}).get("pairs", [])) | set(more.get("pairs", []))
         if (known is not None or more) and f"{dtype}/{kernel}" not in pairs \
                 and kernel in kernels:
             out["dtype"][sel] = True
-            parts.append(f"too few aligned {dtype} {kernel} probes on this GPU"
-                         if f"{dtype}/{kernel}" in more.get("unaligned_pairs", ()) else
-                         f"no {dtype} {kernel} data on this GPU")
+            parts.append(few or f"no {dtype} {kernel} data on this GPU")
         elif known is None and not more and dtype not in rec.get("dtypes", []):
             out["dtype"][sel] = True
             parts.append(f"no {dtype} data")
