@@ -494,6 +494,9 @@ def test_a_new_kernels_unaligned_probes_leave_their_dtypes_loss_out_of_its_offse
     ref = _calibrated_logs(aligned_model, {H100.uuid: cal[0]}, test)["runtime"]
     assert np.all(np.abs(served - ref) < 0.3) and np.all(served > base)
     assert [c.offset_counts["runtime"]["bf16/cutlass"] for c in cal.values()] == [6, 0]
+    # nor where no known kernel's probe measured the loss (their offset holds it then)
+    alone = calibrate(aligned_model, features.concat([gemms(H100, 6, 1), cutlass(1)]))
+    assert alone[H100.uuid].offset_counts["runtime"] == {"bf16/blas": 6, "bf16/cutlass": 0}
     assert "bf16/cutlass" in cal[1].domain["runtime"]["pairs"]
     assert "bf16/cutlass" not in cal[1].domain["runtime"]["offset_pairs"]
     for odd, c in cal.items():

@@ -219,9 +219,9 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # the probes behind each group's offset and the level: the aligned ones (an
             # unaligned probe's loss is its dtype's own; they counted as evidence of the
             # aligned rows, three of them marking a group in the domain; a new kernel's,
-            # set in its offset less the loss the other kernels' probes measured, did
-            # until the fifteenth session: how it runs aligned they only guess)
-            aligned = (ai < 0) & (an < 0)
+            # set in its offset with or less the loss the other kernels' probes measured,
+            # did until the fifteenth session: how it runs aligned they only guess)
+            aligned = ~unal[sel][ok] if target in ALIGN_UPWARD else np.ones(len(e), bool)
             cal.offset_counts[target] = {str(nm): int(v) for nm, v in zip(names, np.bincount(
                 gi[aligned], minlength=len(names)))}
             cal.group_sd[target] = {str(nm): float(v) for nm, v in zip(names, tau_g)}
