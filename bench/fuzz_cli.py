@@ -124,6 +124,9 @@ ACCEPTED: list[tuple[set[str] | None, str, set[str] | None, str]] = [
     ({"fit", "export"}, "--out", {"bad\nname", "-", "/dev/null", "/dev/zero"},
      "a file name the user chose, written as given (export: '-' is stdout)"),
     ({"import", "prune", "export"}, "*", {"0"}, "'0' is a valid source name"),
+    ({"predict", "advise"}, "--source", {"0"},
+     "'0' is a valid source name; predict says its rows are outside the domain ('no 0 "
+     "data on ...')"),
     ({"rebaseline", "predict", "advise", "report"}, "--device", {"0"}, "device index 0"),
     ({"report"}, "--days", {"4.9e-324"}, "a positive window: the report says it is empty"),
 ]
