@@ -112,8 +112,11 @@ class DeviceCalibration:
     # per target and dtype: what a GEMM aligned below 16 bytes adds on this device
     # (runtime and energy; the probes at such shapes, shrunk toward none)
     align_offset: dict[str, dict[str, float]] = field(default_factory=dict)
-    # per target and "dtype/kernel": the probes its offset comes from (counts less the
-    # unaligned ones of a kernel the prior ran, whose loss is align_offset's)
+    # per target and "dtype/kernel": the aligned probes behind its offset (counts less
+    # the unaligned ones, for runtime and energy: a kernel the prior ran has their loss
+    # in align_offset; a kernel it never ran, in its offset, which they then set, but
+    # how it runs aligned they only guess: without 3 aligned probes its rows are outside
+    # the domain and its offset as uncertain as an unseen kernel's, 1.5 in log)
     offset_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     # per target and dtype: whether that offset slows the work alone (else the whole
     # runtime: calibration._align_on_work)
