@@ -294,9 +294,11 @@ def transfer(G: dict[str, Table], cfg: ModelConfig, probes: list[int], seeds: in
                 if name == "model":
                     continue
                 m = sp["gemmd"]["targets"].get("runtime", {})
+                sd = sp["gemmd"].get("spread", {}).get("runtime", {})
                 rec["curve"][sp["calibration_rows"]] = {
                     **{k: m.get(k) for k in ("mape", "median_ape", "p90_ape", "coverage",
                                              "in_domain")},
+                    **{f"{k}_sd": v for k, v in sd.items()},
                     "test_rows": sp["test_rows"], "choices": sp["gemmd"].get("choices", [])}
             out["pairs"].append(rec)
             line = " ".join(f"{n}: {pct(c['mape'])} cov {pct(c['coverage'])} dom "
@@ -356,8 +358,9 @@ def markdown(res: dict) -> str:
     if "transfer" in res:
         tr = res["transfer"]
         probes = sorted({n for p in tr["pairs"] for n in p["curve"]})
-        lines += ["Runtime MAPE on the target's other shapes (coverage of the 90% interval, "
-                  "share in domain), mean of the draws; roofline and all target data: the "
+        lines += ["Runtime MAPE on the target's other shapes (coverage of the 90% interval "
+                  "± its standard deviation over the draws, share in domain), mean of the "
+                  "draws; roofline and all target data: the "
                   "roofline estimate on all its rows, gemmd's forest on its own data judged "
                   "on unseen shapes", ""]
         lines += ["| source -> target | roofline | all target data | " +
@@ -369,8 +372,9 @@ def markdown(res: dict) -> str:
                    pct(tr["full"][dst]["mape"])]
             for n in probes:
                 c = p["curve"].get(n)
-                row.append("-" if c is None else f"{pct(c['mape'])} ({pct(c['coverage'])}, "
-                                                 f"{pct(c['in_domain'])})")
+                sd = f" ±{100 * c['coverage_sd']:.1f}" if c and "coverage_sd" in c else ""
+                row.append("-" if c is None else f"{pct(c['mape'])} ({pct(c['coverage'])}"
+                                                 f"{sd}, {pct(c['in_domain'])})")
             row.append(f"{pct(p['physics']['predicted_below'])} (measured "
                        f"{pct(p['physics']['measured_below'])})")
             lines.append("| " + " | ".join(row) + " |")

@@ -475,6 +475,13 @@ def test_evaluate_a_fitted_model_without_refitting(capsys, env, tmp_path):
     assert res["splits"]["model"]["gemmd"]["targets"]["runtime"]["in_domain"] == 0.0
     five = res["splits"]["5 rows"]
     assert five["calibration_rows"] == 5 and five["test_rows"] < 80
+    spread = five["gemmd"]["spread"]["runtime"]  # the same draws in the table, with +-
+    rc, out, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
+                       "--calibrate-rows", "5", "--seeds", "2", *sd)
+    assert rc == 0, err
+    row = next(ln for ln in out.splitlines() if ln.startswith("5 rows") and "runtime" in ln)
+    assert f"±{100 * spread['mape']:.1f}" in row and f"±{100 * spread['coverage']:.1f}" in row
+    assert "(± their standard deviation)" in out
     rc, out, err = run(capsys, "evaluate", "--model", str(tmp / "m.skops"), str(l4),
                        "--calibrate", str(l4), *sd)
     assert rc == 0, err

@@ -140,3 +140,17 @@ def test_evaluate_model_judges_without_refitting():
     five = res["splits"]["5 rows"]
     assert five["calibration_rows"] == 5 and five["test_rows"] < len(other)
     assert five["gemmd"]["targets"]["runtime"]["in_domain"] > 0  # fp32/blas: 5 probes
+    assert set(five["gemmd"]["spread"]["runtime"]) == {"mape", "coverage"}
+    assert "spread" not in res["splits"]["0 rows"]["gemmd"]  # the same model, rows, twice
+
+
+def test_the_spread_over_draws_is_their_standard_deviation():
+    """evaluate_model's "spread": per target, the sample sd over the draws of MAPE and
+    coverage; none from one draw, nor for a target a draw could not judge (n 0)."""
+    runs = [{"runtime": {"n": 10, "mape": 0.1, "coverage": 0.8}, "power": {"n": 0}},
+            {"runtime": {"n": 12, "mape": 0.3, "coverage": 1.0}, "power": {"n": 0}},
+            {"runtime": {"n": 11, "mape": 0.2}}]
+    sd = evaluate._spread_scores(runs)
+    assert sd == {"runtime": {"mape": pytest.approx(0.1), "coverage": pytest.approx(
+        np.std([0.8, 1.0], ddof=1))}}
+    assert evaluate._spread_scores(runs[:1]) == {}

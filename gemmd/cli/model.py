@@ -142,16 +142,23 @@ def print_model_evaluation(res: dict[str, Any]) -> None:
             m = sp["gemmd"]["targets"].get(target)
             if not m or not m.get("n"):
                 continue
+            sd = sp["gemmd"].get("spread", {}).get(target, {})
             rows.append(("none" if name == "model" else name, target, num(m.get("r2")),
-                         pct(m["mape"]), pct(m["median_ape"]), pct(m["p90_ape"]),
-                         pct(m.get("coverage")), pct(m.get("in_domain")),
+                         _pct_sd(m, sd, "mape"), pct(m["median_ape"]), pct(m["p90_ape"]),
+                         _pct_sd(m, sd, "coverage"), pct(m.get("in_domain")),
                          f"{m['n']:,.0f}"))
     print()
     print_table(rows)
     print(f"\nnone: the model as it is on every row. N rows: carried over by N rows of the "
           f"data (one per shape, drawn at random), judged on the other shapes, the mean of "
-          f"{res['seeds']} draw{'s' if res['seeds'] > 1 else ''}. COVERAGE: share of rows "
+          f"{res['seeds']} draw{'s' if res['seeds'] > 1 else ''}"
+          f"{' (± their standard deviation)' if res['seeds'] > 1 else ''}. COVERAGE: share of rows "
           "inside the interval; IN DOMAIN: share the model says it has data like.")
+
+
+def _pct_sd(m: dict[str, Any], sd: dict[str, float], key: str) -> str:
+    """``m[key]`` as a percentage, with ``sd[key]`` (over draws) where there is one."""
+    return pct(m.get(key)) + (f" ±{100 * sd[key]:.1f}" if key in sd else "")
 
 
 def print_evaluation(res: dict[str, Any]) -> None:
