@@ -352,6 +352,12 @@ def test_a_probed_loss_is_served_with_its_uncertainty_not_widened_upward(aligned
             assert cal.variance("runtime", "bf16/blas", None, w[0]) == pytest.approx(
                 cal.variance("runtime", "bf16/blas") + added[0] * cal.scale.get("runtime", 1.0)
                 ** 2)
+            # the leave-one-GPU-out factor scales the loss's variance with the rest (it
+            # corrects the device's scatter, which the loss's variance is made of)
+            scaled = copy.deepcopy(cal)
+            scaled.scale["runtime"] = 2.0 * cal.scale.get("runtime", 1.0)
+            assert scaled.variance("runtime", "bf16/blas", None, w[0]) == pytest.approx(
+                4.0 * cal.variance("runtime", "bf16/blas", None, w[0]))
             r = tm.predict_table(test)["runtime"]
             up, down = np.log(r["hi"] / r["point"]), np.log(r["point"] / r["lo"])
             assert np.allclose(up, down, rtol=1e-6)
