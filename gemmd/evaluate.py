@@ -313,7 +313,8 @@ def evaluate_model(model: Any, t: Table, *, cfg: ModelConfig | None = None,
             m = TransferModel.fit(prior, t.take(cal), cfg) if n else prior
             fit_s = time.perf_counter() - t0
             runs.append({**judge(m, te), "fit_s": fit_s, "test_rows": len(test),
-                         "choice": dict(getattr(m, "choice", {}))})
+                         "choice": dict(getattr(m, "choice", {})),
+                         "setting": (m.meta.get("transfer") or {}).get("setting")})
             if progress:
                 progress(1)
         out["splits"][f"{n} rows"] = {
@@ -324,7 +325,10 @@ def evaluate_model(model: Any, t: Table, *, cfg: ModelConfig | None = None,
                       # (0 rows: every draw is the model as it is, on every row)
                       **({"spread": _spread_scores([r["targets"] for r in runs])}
                          if n else {}),
-                      "choices": sorted({c for r in runs for c in r["choice"].values()})}}
+                      "choices": sorted({c for r in runs for c in r["choice"].values()}),
+                      # the transfer settings the draws' probes chose (choosing), if any
+                      "settings": sorted({f"w={r['setting']['w']:g} a={r['setting']['a']:g}"
+                                          for r in runs if r["setting"]})}}
     return out
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import gemmd.model.transfer as transfer_mod
 import gemmd.model.validation as validation
-from gemmd import bounds, datasets, features
+from gemmd import bounds, datasets, evaluate, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
@@ -169,6 +169,47 @@ def test_a_few_probes_calibrate_a_new_gpu(prior):
                                             [twin]))["runtime"]["in_domain"][0]
 
 
+def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
+    """A prior of one GPU model predicts a GPU it never saw by the roofline estimate (no
+    evidence says more). Where that GPU runs as the prior's did (one harness, one GPU
+    family: its efficiency the same function of size), its probes show that the forest
+    carries, and choose its level and shape; where the estimate is right and the
+    forest's shape is not the new GPU's, they keep the estimate. The choice competes with
+    the recipes, from as many probes as they may replace the calibrated prior, and
+    evaluate reports it."""
+    test, probes = rows(H100, 300, 21, 0.8), rows(H100, 12, 22, 0.8)
+    was = TransferModel.fit(prior, probes, CFG, select=False)
+    tm = TransferModel.fit(prior, probes, CFG)
+    # (the forest's level half-way: on the H100's peaks its own level is 1.2x off)
+    assert tm.meta["transfer"]["setting"] == {"w": 0.5, "a": 1.0, "was": "carried:0,0"}
+    assert tm.prior.transfer_setting() == (0.5, 1.0) and prior.transfer_setting() == (0, 0)
+    assert tm.choice["runtime"] == "calibrated"
+    assert mape(tm.predict_table(test), test) < 0.5 * mape(was.predict_table(test), test)
+    assert coverage(tm.predict_table(test), test) >= 0.85
+    # the record of the calibrated prior is the one served, the prior's own kept by name
+    cv = tm.meta["transfer"]["cv"]["runtime"]
+    assert "carried:0.5,1" not in cv
+    assert cv["calibrated"]["err"] < 0.3 * cv["carried:0,0"]["err"]
+    res = evaluate.evaluate_model(prior, rows(H100, 200, 23, 0.8), cfg=CFG,
+                                  calibrate_rows=[5, 12], seeds=3)["splits"]
+    assert res["5 rows"]["gemmd"]["settings"] == [] and \
+        res["12 rows"]["gemmd"]["settings"] == ["w=0.5 a=1"]
+    # fewer probes than may replace the calibrated prior: no choice
+    assert "setting" not in TransferModel.fit(prior, probes.take(np.arange(9)), CFG).meta[
+        "transfer"]
+    # the roofline estimate right (a flat 70% of the roofline), the forest's shape wrong
+    flat = rows(H100, 300, 24, 0.8)
+    flat.cols["runtime_s"] = (features.roofline(flat) / 0.7 + LAUNCH_S) * np.exp(
+        np.random.default_rng(0).normal(0, 0.03, len(flat)))
+    tm = TransferModel.fit(prior, flat.take(np.arange(12)), CFG)
+    assert "setting" not in tm.meta["transfer"] and tm.prior is prior
+    assert "carried:1,1" in tm.meta["transfer"]["cv"]["runtime"]  # judged, not chosen
+    # a GPU model the prior knows: nothing to choose
+    tm = TransferModel.fit(prior, rows(A100, 12, 25, 0.8), CFG)
+    assert "setting" not in tm.meta["transfer"]
+    assert not any(k.startswith("carried:") for k in tm.meta["transfer"]["cv"]["runtime"])
+
+
 def test_one_wild_probe_does_not_move_a_calibration(prior):
     probes = rows(H100, 6, 6, 0.45)
     base = calibrate(prior, probes)[H100.uuid].level["runtime"]
@@ -186,7 +227,9 @@ def test_with_many_probes_the_better_recipe_is_chosen(prior):
     own = ForestModel.fit_table(probes, CFG)
     assert mape(tm.predict_table(test), test) <= 1.25 * mape(own.predict_table(test), test)
     cv = tm.meta["transfer"]["cv"]["runtime"]
-    assert set(cv) == {"calibrated", "residual", "own", "few", "blend"} == set(CHOICES)
+    recipes = {k for k in cv if not k.startswith("carried:")}
+    assert recipes == {"calibrated", "residual", "own", "few", "blend"} == set(CHOICES)
+    assert len(cv) - len(recipes) == len(TRANSFER_GRID) - 1  # the other settings
     assert cv["blend"]["weight"] in BLEND_WEIGHTS
     assert coverage(tm.predict_table(test), test) >= 0.75
 

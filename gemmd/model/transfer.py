@@ -19,6 +19,7 @@ from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.hardware import gpu_model_key
 from gemmd.model.calibration import _calibrated_logs, calibrate, probed_losses, with_probe_sources
+from gemmd.model.choosing import _select, carried, other_settings, parse_setting, setting_name
 from gemmd.model.domain import (
     MIN_SD,
     beyond_widening,
@@ -64,15 +65,16 @@ BLEND_WEIGHTS = (0.25, 0.5, 0.75)
 # The recipe is the calibrated prior (its shrinkage validated at fit time: a few probes
 # cannot make it worse than none on the training GPUs); from MIN_OVERRIDE probes another
 # (few-probe trees, a blend of them with the calibrated prior, residual trees, gemmd's
-# forest on the probes) replaces it where cross-validation over the probes finds it
-# better by SELECT_SE standard errors of the paired difference. Until issue 25 "few" was
-# the default from 5 probes: 5 probes were then worse than none on 5 of 9 GPUs of one
-# evaluation (V100 55.5% against 25.2%) and here on B200 -> H100 (27.2% against 18.0%).
-# With the blends, 1 standard error took the MI355X at 20 probes from 28.4% to 27.0% and
-# left the H100 at 14.8% (2 standard errors: no blend chosen; 0: 26.4%, a minimum of a
-# few probes' CV errors is often a fluke).
+# forest on the probes; another transfer setting) replaces it where cross-validation
+# over the probes finds it better by choosing.SELECT_SE standard errors of the paired
+# difference (a setting too: 10 probes of an H200 took a prior of gemmd's H100 from
+# 13.8% to 5.9% at 1, to 9.5% at 2; 20 of the shared H100 took a B200 prior from 15.2%
+# to 16.8% at either). Until issue 25 "few" was the default from 5 probes: 5 probes were
+# then worse than none on 5 of 9 GPUs of one evaluation (V100 55.5% against 25.2%) and
+# here on B200 -> H100 (27.2% against 18.0%). With the blends, 1 standard error took
+# the MI355X at 20 probes from 28.4% to 27.0% and left the H100 at 14.8% (2 standard
+# errors: no blend chosen; 0: 26.4%, a minimum of a few probes' CV errors is often a fluke).
 DEFAULT_CHOICE = "calibrated"
-SELECT_SE = 1.0
 MIN_OVERRIDE = 10
 # "few": extremely randomized trees on the device's probes, each split the best of one
 # random threshold on each of a third of the features (Breiman's p/3 for regression). On a
@@ -97,10 +99,11 @@ class TransferModel:
     standard errors: the few-probe trees ("few"), a blend of them with the calibrated
     prior ("blend"), the calibrated prior plus trees on what it leaves unexplained
     ("residual", in the folds that train on MIN_RESIDUAL probes: from about 12) or gemmd's
-    forest on the probes ("own"). A dtype/kernel the device has no probe of is predicted
-    by the calibrated prior whatever the recipe, a kernel the prior never saw by the trees
-    from MIN_GROUP_PROBES of it. Inside the physical bounds (gemmd.bounds). Same interface
-    as ForestModel (predict, predict_table).
+    forest on the probes ("own"), or on a GPU the prior never saw the calibrated prior
+    carried by another transfer setting than its own (choosing, runtime only). A
+    dtype/kernel the device has no probe of is predicted by the calibrated prior whatever
+    the recipe, a kernel the prior never saw by the trees from MIN_GROUP_PROBES of it.
+    Inside the physical bounds (gemmd.bounds). Same interface as ForestModel.
     """
 
     kind = "transfer"
@@ -144,8 +147,11 @@ class TransferModel:
             select: bool = True) -> TransferModel:
         """Calibrate ``prior`` to the devices of ``t`` (their probes) and, with enough
         probes, choose per target between the calibrated prior, residual trees, own
-        forest and few-probe trees by cross-validation. ``own``: a forest already fitted
-        on ``t`` (else fitted here when chosen)."""
+        forest and few-probe trees by cross-validation, and for runtime on a GPU the
+        prior never saw, from MIN_OVERRIDE probes, the prior's transfer setting (the
+        calibrated prior carried as another (w, a) says: choosing; the choice in
+        ``meta["transfer"]["setting"]``). ``own``: a forest already fitted on ``t``
+        (else fitted here when chosen)."""
         cals = calibrate(prior, t) if len(t) else {}
         n = len(t)
         choice = {tg: "calibrated" for tg in TARGETS}
@@ -157,7 +163,18 @@ class TransferModel:
             out = cls(prior, cals, choice, meta=meta)
             out.devices = devices
             return out
-        sub, picked = cls._cv(prior, t, cfg, n_jobs)
+        # probes of a GPU the prior never saw: how far the prior carries competes with
+        # the recipes, from as many probes as they may replace the default (choosing)
+        settings = other_settings(prior, t) if n >= MIN_OVERRIDE else []
+        sub, picked = cls._cv(prior, t, cfg, n_jobs, settings)
+        if picked.get("runtime") in settings:  # served as the calibrated prior
+            name, was = picked["runtime"], setting_name(*prior.transfer_setting())
+            (w, a), rec = parse_setting(name), sub["runtime"]
+            prior = carried(prior, w, a)
+            cals = calibrate(prior, t)
+            rec[was], rec["calibrated"] = rec["calibrated"], rec.pop(name)
+            picked["runtime"] = "calibrated"
+            meta["transfer"]["setting"] = {"w": w, "a": a, "was": was}
         for target, c in picked.items():
             choice[target] = c
             cv_scale[target] = sub[target][c]["scale"]
@@ -193,7 +210,8 @@ class TransferModel:
         return out
 
     @classmethod
-    def _cv(cls, prior: ForestModel, t: Table, cfg: ModelConfig, n_jobs: int
+    def _cv(cls, prior: ForestModel, t: Table, cfg: ModelConfig, n_jobs: int,
+            settings: Sequence[str] = ()
             ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
         """Cross-validation over the probes, grouped by shape (the recipes fitted without a
         fold have seen none of its shapes): per target and recipe, the mean absolute
@@ -202,7 +220,8 @@ class TransferModel:
         (cv_interval_scale; per kernel too, "by_kernel"); for "blend", the best of
         BLEND_WEIGHTS ("weight"); and per target the recipe chosen: DEFAULT_CHOICE
         unless, from MIN_OVERRIDE probes, another has a lower error by SELECT_SE standard
-        errors of the paired difference."""
+        errors of the paired difference. ``settings``: transfer settings (choosing) whose
+        calibrated prior is judged beside them for runtime, as one more recipe."""
         from sklearn.model_selection import GroupKFold
 
         cap = cv_max_rows(cfg.interval)
@@ -216,7 +235,7 @@ class TransferModel:
         z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
         # recipe -> target -> (log point, log sd) per row, NaN where not predicted
         pred: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {
-            c: {} for c in CHOICES if c != "blend"}
+            c: {} for c in (*CHOICES, *settings) if c != "blend"}
         for train, test in GroupKFold(folds).split(np.zeros(len(t)), groups=gid):
             tr, te = t.take(train), t.take(test)
             base = cls.fit(prior, tr, cfg, select=False)
@@ -240,8 +259,13 @@ class TransferModel:
                 # served as it will be: few-probe trees where the prior has no shape
                 recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
                                           res, probe_domain=dom, few=few, few_groups=fg)
+            for name in settings:  # the calibrated prior, carried as ``name`` says
+                recipes[name] = cls.fit(carried(prior, *parse_setting(name)), tr, cfg,
+                                        select=False)
             for name, model in recipes.items():
                 for target, r in model.predict_table(te).items():
+                    if name in settings and target != "runtime":
+                        continue  # (the setting moves runtime only)
                     p = pred[name].setdefault(target, (np.full(len(t), np.nan),
                                                        np.full(len(t), np.nan)))
                     p[0][test] = np.log(r["point"])
@@ -533,30 +557,6 @@ def unknown_kernel_groups(prior: ForestModel, t: Table) -> dict[str, list[str]]:
         if names:
             out[target] = names
     return out
-
-
-def _select(apes: Mapping[str, np.ndarray], default: str = DEFAULT_CHOICE,
-            override: bool = True) -> str:
-    """The recipe to use from per-probe out-of-fold errors (NaN where none): the
-    default (the calibrated prior where it has no errors), unless ``override`` and
-    another's error is lower by SELECT_SE standard errors of the paired difference (then
-    the lowest of those that are)."""
-    default = default if default in apes else "calibrated"
-    if default not in apes:
-        return min(apes, key=lambda c: float(np.nanmean(apes[c])))
-    if not override:
-        return default
-    best, best_err = default, float(np.nanmean(apes[default]))
-    for name, ape in apes.items():
-        d = apes[default] - ape
-        d = d[np.isfinite(d)]
-        if name == default or len(d) < 2:
-            continue
-        se = float(np.std(d, ddof=1)) / math.sqrt(len(d))
-        err = float(np.nanmean(ape))
-        if float(np.mean(d)) > SELECT_SE * se and err < best_err:
-            best, best_err = name, err
-    return best
 
 
 def _fit_trees(t: Table, cfg: ModelConfig, targets: Sequence[str],

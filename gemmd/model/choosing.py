@@ -1,0 +1,85 @@
+"""How a device's probes choose between ways of predicting it (TransferModel's
+cross-validation over them): the rule over out-of-fold errors (_select), and the ways
+that differ in how far the prior's knowledge of other GPUs carries to a GPU it never
+saw (the transfer setting (w, a) of ForestModel.transfer_runtime, "carried:w,a")."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from gemmd.features import Table
+from gemmd.model.domain import TRANSFER_GRID
+from gemmd.model.forest import ForestModel
+
+# Another way replaces the default where cross-validation over the probes finds it
+# better by SELECT_SE standard errors of the paired difference (TransferModel._cv).
+SELECT_SE = 1.0
+# The probes of a GPU the prior never saw may choose any transfer setting of
+# TRANSFER_GRID, the grid leave-one-GPU-out validation chooses on at fit time. That
+# validation judges the prior's GPUs, measured by other harnesses than the new
+# GPU's may be: across the shared data's four sources the roofline estimate's level was
+# best (an MI355X-trained forest predicts an H100 2x too slow), while between two GPUs
+# measured by one harness (gemmd's own sweeps of an H100 and an H200) the forest's level
+# and shape carry: its raw prediction was 6% off where the roofline estimate was 14%,
+# and 20 probes of the H200 left the estimate at 13% (bench/RESULTS.md, the sixteenth
+# session). The probes are the only evidence of which holds for the GPU at hand.
+CARRIED = "carried:"
+
+
+def setting_name(w: float, a: float) -> str:
+    return f"{CARRIED}{w:g},{a:g}"
+
+
+def parse_setting(name: str) -> tuple[float, float]:
+    w, a = name[len(CARRIED):].split(",")
+    return float(w), float(a)
+
+
+def carried(prior: ForestModel, w: float, a: float) -> ForestModel:
+    """``prior`` predicting a GPU it never saw with the transfer setting (w, a): a copy
+    sharing its forests and caches (the forest's levels do not depend on the setting)."""
+    out = copy.copy(prior)
+    logo = dict(prior.meta.get("logo") or {})
+    logo["runtime"] = {**(logo.get("runtime") or {}), "w": float(w), "a": float(a)}
+    out.meta = {**prior.meta, "logo": logo}
+    return out
+
+
+def other_settings(prior: ForestModel, t: Table) -> list[str]:
+    """The settings other than ``prior``'s own that could change its runtime prediction
+    for ``t``'s rows (names; none unless a row is of a GPU model the prior never saw,
+    with a kernel it knows: ForestModel.transfer_runtime)."""
+    flags = prior.target_flags(t).get("runtime")
+    if flags is None or not (flags["gpu"] & ~flags["kernel"]).any():
+        return []
+    own = prior.transfer_setting()
+    return [setting_name(w, a) for w, a in TRANSFER_GRID
+            if not (math.isclose(w, own[0]) and math.isclose(a, own[1]))]
+
+
+def _select(apes: Mapping[str, np.ndarray], default: str = "calibrated",
+            override: bool = True) -> str:
+    """The way to predict from per-probe out-of-fold errors (NaN where none): the
+    default (the calibrated prior where it has no errors), unless ``override`` and
+    another's error is lower by SELECT_SE standard errors of the paired difference (then
+    the lowest of those that are)."""
+    default = default if default in apes else "calibrated"
+    if default not in apes:
+        return min(apes, key=lambda c: float(np.nanmean(apes[c])))
+    if not override:
+        return default
+    best, best_err = default, float(np.nanmean(apes[default]))
+    for name, ape in apes.items():
+        d = apes[default] - ape
+        d = d[np.isfinite(d)]
+        if name == default or len(d) < 2:
+            continue
+        se = float(np.std(d, ddof=1)) / math.sqrt(len(d))
+        err = float(np.nanmean(ape))
+        if float(np.mean(d)) > SELECT_SE * se and err < best_err:
+            best, best_err = name, err
+    return best
