@@ -274,7 +274,7 @@ def evaluate_model(model: Any, t: Table, *, cfg: ModelConfig | None = None,
     from gemmd.model import ForestModel, TransferModel
 
     cfg = cfg or ModelConfig(min_samples=2)
-    prior = model.prior if isinstance(model, TransferModel) else model
+    prior = model.base_prior if isinstance(model, TransferModel) else model
     out: dict[str, Any] = {"rows": len(t), "shapes": int(len(np.unique(shape_groups(t)))),
                            "measured": {tg: int(np.isfinite(t[COLUMN[tg]]).sum())
                                         for tg in TARGETS},
@@ -297,6 +297,7 @@ def evaluate_model(model: Any, t: Table, *, cfg: ModelConfig | None = None,
         tm = TransferModel.fit(prior, calibrate, cfg)
         res = judge(tm, t)
         res["fit_s"] = time.perf_counter() - t0
+        res["settings"] = _settings([tm.meta["transfer"].get("setting")])
         out["splits"][f"calibrated on {len(calibrate):,} rows"] = {
             "test_rows": len(t), "calibration_rows": len(calibrate), "gemmd": res}
         if progress:
@@ -326,10 +327,13 @@ def evaluate_model(model: Any, t: Table, *, cfg: ModelConfig | None = None,
                       **({"spread": _spread_scores([r["targets"] for r in runs])}
                          if n else {}),
                       "choices": sorted({c for r in runs for c in r["choice"].values()}),
-                      # the transfer settings the draws' probes chose (choosing), if any
-                      "settings": sorted({f"w={r['setting']['w']:g} a={r['setting']['a']:g}"
-                                          for r in runs if r["setting"]})}}
+                      "settings": _settings([r["setting"] for r in runs])}}
     return out
+
+
+def _settings(chosen: Sequence[dict[str, Any] | None]) -> list[str]:
+    """The transfer settings some calibrations' probes chose (choosing), "w=0.5 a=1"."""
+    return sorted({f"w={c['w']:g} a={c['a']:g}" for c in chosen if c})
 
 
 def _mean_scores(runs: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

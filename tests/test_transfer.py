@@ -181,8 +181,10 @@ def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
     was = TransferModel.fit(prior, probes, CFG, select=False)
     tm = TransferModel.fit(prior, probes, CFG)
     # (the forest's level half-way: on the H100's peaks its own level is 1.2x off)
-    assert tm.meta["transfer"]["setting"] == {"w": 0.5, "a": 1.0, "was": "carried:0,0"}
-    assert tm.prior.transfer_setting() == (0.5, 1.0) and prior.transfer_setting() == (0, 0)
+    assert tm.meta["transfer"]["setting"] == {"w": 0.5, "a": 1.0, "was": "carried:0,0",
+                                              "gpus": ["h100-sxm"]}
+    assert tm.prior.meta["logo"]["runtime"]["by_gpu"] == {"h100-sxm": [0.5, 1.0]}
+    assert tm.prior.transfer_setting() == prior.transfer_setting() == (0, 0)
     assert tm.choice["runtime"] == "calibrated"
     assert mape(tm.predict_table(test), test) < 0.5 * mape(was.predict_table(test), test)
     assert coverage(tm.predict_table(test), test) >= 0.85
@@ -194,8 +196,22 @@ def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
                                   calibrate_rows=[5, 12], seeds=3)["splits"]
     assert res["5 rows"]["gemmd"]["settings"] == [] and \
         res["12 rows"]["gemmd"]["settings"] == ["w=0.5 a=1"]
-    # fewer probes than may replace the calibrated prior: no choice
+    # it holds for the GPU model whose probes chose it; another the prior never saw
+    # (no probe of it) is predicted as before
+    b200 = rows(datasets.KNOWN_GPUS["b200"], 50, 26, 0.8)
+    assert np.allclose(tm.predict_table(b200)["runtime"]["point"],
+                       was.predict_table(b200)["runtime"]["point"])
+    # a refit starts from the prior as given, not as carried
+    assert tm.base_prior is prior and tm.prior is not prior
+    assert evaluate.evaluate_model(tm, test, cfg=CFG, calibrate_rows=[12])["splits"][
+        "12 rows"]["gemmd"]["settings"] == ["w=0.5 a=1"]
+    # fewer probes of the new GPU than may replace the calibrated prior: no choice, also
+    # where other devices' probes make up the count (9 of the A100, known, and 1)
     assert "setting" not in TransferModel.fit(prior, probes.take(np.arange(9)), CFG).meta[
+        "transfer"]
+    mixed = features.concat([rows(A100, 9, 27, 0.8), probes.take(np.arange(1))])
+    assert "setting" not in TransferModel.fit(prior, mixed, CFG).meta["transfer"]
+    assert "setting" in TransferModel.fit(prior, probes.take(np.arange(10)), CFG).meta[
         "transfer"]
     # the roofline estimate right (a flat 70% of the roofline), the forest's shape wrong
     flat = rows(H100, 300, 24, 0.8)

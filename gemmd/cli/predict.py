@@ -136,7 +136,7 @@ def _predictor(args: argparse.Namespace, cfg: Config) -> Predictor:
         return pred
     from gemmd import datasets
 
-    base = pred.model.prior if isinstance(pred.model, TransferModel) else pred.model
+    base = pred.model.base_prior if isinstance(pred.model, TransferModel) else pred.model
     if not isinstance(base, ForestModel):
         raise GemmdError("--calibrate carries a fitted model over to a device, and there is "
                          "none yet (run gemmd fit, or give --model FILE)")

@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from gemmd.features import Table
+from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import TRANSFER_GRID
 from gemmd.model.forest import ForestModel
 
 # Another way replaces the default where cross-validation over the probes finds it
-# better by SELECT_SE standard errors of the paired difference (TransferModel._cv).
+# better by SELECT_SE standard errors of the paired difference (TransferModel._cv). With
+# the blends, 1 took the MI355X at 20 probes from 28.4% to 27.0% and left the H100 at
+# 14.8% (2: no blend chosen; 0: 26.4%, a minimum of a few probes' CV errors is often a
+# fluke); with the transfer settings, 10 probes of an H200 took a prior of gemmd's H100
+# from 13.8% to 5.9% at 1, to 9.5% at 2, and 20 of the shared H100 took a B200 prior
+# from 15.2% to 16.8% at either.
 SELECT_SE = 1.0
 # The probes of a GPU the prior never saw may choose any transfer setting of
 # TRANSFER_GRID, the grid leave-one-GPU-out validation chooses on at fit time. That
@@ -39,26 +45,35 @@ def parse_setting(name: str) -> tuple[float, float]:
     return float(w), float(a)
 
 
-def carried(prior: ForestModel, w: float, a: float) -> ForestModel:
-    """``prior`` predicting a GPU it never saw with the transfer setting (w, a): a copy
-    sharing its forests and caches (the forest's levels do not depend on the setting)."""
+def carried(prior: ForestModel, w: float, a: float, gpus: Sequence[str]) -> ForestModel:
+    """``prior`` predicting the GPU models ``gpus`` (catalogue keys; models it never saw)
+    with the transfer setting (w, a), any other as before: a copy sharing its forests
+    and caches (the forest's levels do not depend on the setting)."""
     out = copy.copy(prior)
     logo = dict(prior.meta.get("logo") or {})
-    logo["runtime"] = {**(logo.get("runtime") or {}), "w": float(w), "a": float(a)}
+    rec = dict(logo.get("runtime") or {})
+    rec["by_gpu"] = {**(rec.get("by_gpu") or {}), **{g: [float(w), float(a)] for g in gpus}}
+    logo["runtime"] = rec
     out.meta = {**prior.meta, "logo": logo}
     return out
 
 
-def other_settings(prior: ForestModel, t: Table) -> list[str]:
-    """The settings other than ``prior``'s own that could change its runtime prediction
-    for ``t``'s rows (names; none unless a row is of a GPU model the prior never saw,
-    with a kernel it knows: ForestModel.transfer_runtime)."""
+def other_settings(prior: ForestModel, t: Table, least: int) -> tuple[list[str], list[str]]:
+    """(the settings other than ``prior``'s own, by name; the GPU models they are for):
+    the GPU models of ``t`` that the prior never saw with ``least`` probes or more of
+    kernels it knows (where ForestModel.transfer_runtime carries it), else none."""
     flags = prior.target_flags(t).get("runtime")
-    if flags is None or not (flags["gpu"] & ~flags["kernel"]).any():
-        return []
+    if flags is None:
+        return [], []
+    todo = flags["gpu"] & ~flags["kernel"]
+    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device][todo]
+    names, counts = np.unique(keys.astype(str), return_counts=True)
+    gpus = [str(g) for g, c in zip(names, counts) if c >= least]
+    if not gpus:
+        return [], []
     own = prior.transfer_setting()
     return [setting_name(w, a) for w, a in TRANSFER_GRID
-            if not (math.isclose(w, own[0]) and math.isclose(a, own[1]))]
+            if not (math.isclose(w, own[0]) and math.isclose(a, own[1]))], gpus
 
 
 def _select(apes: Mapping[str, np.ndarray], default: str = "calibrated",

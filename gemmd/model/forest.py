@@ -24,6 +24,7 @@ from gemmd.features import Table
 from gemmd.files import file_sha256
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.gpulibs import import_hiding_cupy
+from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import (
     ANCHOR_CONFIG,
     DEFAULT_TRANSFER,
@@ -336,14 +337,22 @@ class ForestModel:
         """Log runtime per row: on a GPU the model never saw (and a kernel
         it knows), log(reference) + (1 - w) log(1 / roofline_efficiency) + w L + a z,
         where L is the forest's level there (forest_levels), z = log efficiency - L the
-        forest's shape dependence and (w, a) = transfer_setting(); elsewhere the forest's
+        forest's shape dependence and (w, a) = transfer_setting(), or on a GPU model its
+        probes chose another for (choosing.carried), that one; elsewhere the forest's
         own. What a forest says of an unknown GPU carries its training GPUs'
         efficiency level and shape, which need not be the new GPU's: how far they carry
         is what leave-one-GPU-out validation on the training data measured."""
         todo = flags["gpu"] & ~flags["kernel"]
         if not todo.any():
             return mu
-        w, a = self.transfer_setting()
+        w0, a0 = self.transfer_setting()
+        w, a = np.full(len(t), w0), np.full(len(t), a0)
+        # per GPU model, a setting its own probes chose (choosing.carried)
+        by = ((self.meta.get("logo") or {}).get("runtime") or {}).get("by_gpu") or {}
+        keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device] \
+            if by else np.zeros(0)
+        for key, (wk, ak) in by.items():
+            w[keys == key], a[keys == key] = wk, ak
         eff = float(self.meta.get("roofline_efficiency", 0.7))
         level = self.forest_levels(t, todo)
         ref = np.log(runtime_reference(t))

@@ -50,8 +50,7 @@ from gemmd.model.space import from_model_space, to_model_space
 from gemmd.records import DeviceInfo, Prediction
 
 MIN_GROUP_PROBES = 10  # probes of a dtype/kernel before trees on the probes predict it
-# Probes before the cross-validation over them runs, at least: it runs from the first
-# number that can change what is served (first_cv_probes: 9 at the nominal 90%).
+# Probes before the cross-validation over them runs, at least (first_cv_probes: 9 at 90%)
 MIN_SELECT = 5
 MIN_RESIDUAL = 10  # probes in a fold's training before trees on the calibrated residuals
 CV_FOLDS = 5
@@ -67,13 +66,9 @@ BLEND_WEIGHTS = (0.25, 0.5, 0.75)
 # (few-probe trees, a blend of them with the calibrated prior, residual trees, gemmd's
 # forest on the probes; another transfer setting) replaces it where cross-validation
 # over the probes finds it better by choosing.SELECT_SE standard errors of the paired
-# difference (a setting too: 10 probes of an H200 took a prior of gemmd's H100 from
-# 13.8% to 5.9% at 1, to 9.5% at 2; 20 of the shared H100 took a B200 prior from 15.2%
-# to 16.8% at either). Until issue 25 "few" was the default from 5 probes: 5 probes were
-# then worse than none on 5 of 9 GPUs of one evaluation (V100 55.5% against 25.2%) and
-# here on B200 -> H100 (27.2% against 18.0%). With the blends, 1 standard error took
-# the MI355X at 20 probes from 28.4% to 27.0% and left the H100 at 14.8% (2 standard
-# errors: no blend chosen; 0: 26.4%, a minimum of a few probes' CV errors is often a fluke).
+# difference. Until issue 25 "few" was the default from 5 probes: 5 probes were then
+# worse than none on 5 of 9 GPUs of one evaluation (V100 55.5% against 25.2%) and here
+# on B200 -> H100 (27.2% against 18.0%).
 DEFAULT_CHOICE = "calibrated"
 MIN_OVERRIDE = 10
 # "few": extremely randomized trees on the device's probes, each split the best of one
@@ -130,6 +125,7 @@ class TransferModel:
         self.few_groups = few_groups or {}
         self.blend: dict[str, float] = {}  # per target choosing "blend": the trees' weight
         self.z = prior.z
+        self.base_prior = prior  # as given to fit: a refit starts from it (choosing)
         self.meta = {**prior.meta, **(meta or {})}
         self.version = f"{prior.version}+cal"
         self.devices: list[DeviceInfo] = []  # the calibrated devices (set by fit)
@@ -163,18 +159,19 @@ class TransferModel:
             out = cls(prior, cals, choice, meta=meta)
             out.devices = devices
             return out
-        # probes of a GPU the prior never saw: how far the prior carries competes with
-        # the recipes, from as many probes as they may replace the default (choosing)
-        settings = other_settings(prior, t) if n >= MIN_OVERRIDE else []
-        sub, picked = cls._cv(prior, t, cfg, n_jobs, settings)
+        # a GPU model the prior never saw, with as many probes of its own as may replace
+        # the default: how far the prior carries to it competes with the recipes
+        settings, gpus = other_settings(prior, t, MIN_OVERRIDE)
+        sub, picked = cls._cv(prior, t, cfg, n_jobs, settings, gpus)
+        base = prior
         if picked.get("runtime") in settings:  # served as the calibrated prior
             name, was = picked["runtime"], setting_name(*prior.transfer_setting())
             (w, a), rec = parse_setting(name), sub["runtime"]
-            prior = carried(prior, w, a)
+            prior = carried(prior, w, a, gpus)
             cals = calibrate(prior, t)
             rec[was], rec["calibrated"] = rec["calibrated"], rec.pop(name)
             picked["runtime"] = "calibrated"
-            meta["transfer"]["setting"] = {"w": w, "a": a, "was": was}
+            meta["transfer"]["setting"] = {"w": w, "a": a, "was": was, "gpus": gpus}
         for target, c in picked.items():
             choice[target] = c
             cv_scale[target] = sub[target][c]["scale"]
@@ -204,6 +201,7 @@ class TransferModel:
         meta["transfer"]["few_groups"] = few_groups
         out = cls(prior, cals, choice, own if "own" in choice.values() else None, residual,
                   cv_scale, meta, few, domain_record(t), few_groups)
+        out.base_prior = base
         out.blend = {tg: float(sub[tg]["blend"]["weight"]) for tg, c in choice.items()
                      if c == "blend"}
         out.devices = devices
@@ -211,7 +209,7 @@ class TransferModel:
 
     @classmethod
     def _cv(cls, prior: ForestModel, t: Table, cfg: ModelConfig, n_jobs: int,
-            settings: Sequence[str] = ()
+            settings: Sequence[str] = (), gpus: Sequence[str] = ()
             ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
         """Cross-validation over the probes, grouped by shape (the recipes fitted without a
         fold have seen none of its shapes): per target and recipe, the mean absolute
@@ -221,7 +219,8 @@ class TransferModel:
         BLEND_WEIGHTS ("weight"); and per target the recipe chosen: DEFAULT_CHOICE
         unless, from MIN_OVERRIDE probes, another has a lower error by SELECT_SE standard
         errors of the paired difference. ``settings``: transfer settings (choosing) whose
-        calibrated prior is judged beside them for runtime, as one more recipe."""
+        calibrated prior, carried so for the GPU models ``gpus``, is judged beside them
+        for runtime, as one more recipe."""
         from sklearn.model_selection import GroupKFold
 
         cap = cv_max_rows(cfg.interval)
@@ -259,9 +258,10 @@ class TransferModel:
                 # served as it will be: few-probe trees where the prior has no shape
                 recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
                                           res, probe_domain=dom, few=few, few_groups=fg)
-            for name in settings:  # the calibrated prior, carried as ``name`` says
-                recipes[name] = cls.fit(carried(prior, *parse_setting(name)), tr, cfg,
-                                        select=False)
+            for name in settings:  # the calibrated prior as served, carried to ``gpus``
+                c = cls.fit(carried(prior, *parse_setting(name), gpus), tr, cfg, select=False)
+                recipes[name] = cls(c.prior, c.calibrations, few=few, probe_domain=dom,
+                                    few_groups=fg) if fg else c
             for name, model in recipes.items():
                 for target, r in model.predict_table(te).items():
                     if name in settings and target != "runtime":
