@@ -18,6 +18,7 @@ from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
+from gemmd.model.choosing import carried
 from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
 from gemmd.model.offsets import (
@@ -362,6 +363,25 @@ def fleet_rows() -> list[Table]:
 def fleet():
     """A prior over fleet_rows: leave-one-GPU-out has something to judge."""
     return ForestModel.fit_table(features.concat(fleet_rows()), CFG)
+
+
+def test_a_prior_carried_by_its_probes_keeps_what_validation_chose(fleet):
+    """A setting the probes chose replaces (w, a) for their GPU model only: the level's
+    pseudo-count, the interval's factor and the rest of the leave-one-GPU-out record are
+    the prior's, and the prior itself is untouched."""
+    was = copy.deepcopy(fleet.meta["logo"])
+    c = carried(fleet, 1.0, 0.5, ["h100-sxm"])
+    rec = c.meta["logo"]["runtime"]
+    assert {k: v for k, v in rec.items() if k != "by_gpu"} == was["runtime"]
+    assert rec["by_gpu"] == {"h100-sxm": [1.0, 0.5]} and fleet.meta["logo"] == was
+    assert c.forests is fleet.forests and c.transfer_setting() == fleet.transfer_setting()
+    assert level_n0(rec, 20) == level_n0(was["runtime"], 20)
+    assert interval_scale(rec, 20) == interval_scale(was["runtime"], 20)
+    # predicted so on that GPU model only
+    h100, l4 = rows(H100, 40, 30, 0.6), rows(datasets.KNOWN_GPUS["l4"], 40, 30, 0.6)
+    for t, moved in ((h100, True), (l4, False)):
+        a, b = (m.predict_table(t)["runtime"]["point"] for m in (fleet, c))
+        assert (not np.allclose(a, b)) == moved
 
 
 def test_leave_one_gpu_out_decides_how_an_unknown_gpu_is_predicted(fleet):
