@@ -25,6 +25,7 @@ from gemmd.errors import ModelError, StoreError
 from gemmd.features import NUMERIC_DEFAULTS, TARGET_COLUMNS, TEXT_DEFAULTS, Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
+from gemmd.model.choosing import describe
 from gemmd.modelfile import check_archive
 from gemmd.records import DeviceInfo, Prediction
 from gemmd.state import State
@@ -165,8 +166,8 @@ class ModelRegistry:
         t, _ = training_table(self.store, ("daemon",), self.cfg.max_training_rows or None)
         model = TransferModel.fit(self.prior, t, self.cfg, own=own)
         self._set(model, time.time())
-        logger.info("predictions from %s calibrated on %d stored probes", model.version,
-                    len(t))
+        logger.info("predictions from %s calibrated on %d stored probes: %s", model.version,
+                    len(t), describe(model))
 
     def _set(self, model: ForestModel | TransferModel | RooflinePredictor,
              created: float | None) -> None:

@@ -325,8 +325,10 @@ def test_a_reference_model_predicts_calibrated_for_a_new_device(tmp_path, dev, f
                             dataclasses.asdict(dev.info))
         cfg = ModelConfig(n_estimators=10, reference=str(ref), reference_sha256=sha)
         reg = ModelRegistry(store, tmp_path / "models", cfg, State())
-        reg.load_active()
+        with caplog.at_level("INFO"):
+            reg.load_active()
         assert reg.current.kind == "transfer"
+        assert "calibrated on 0 stored probes: recipes energy calibrated" in caplog.text
         (p,), version = reg.predict([ProbeSpec(2048, 2048, 2048, "bf16")], [dev.info])
         assert p.runtime_s and version.startswith("ref-")
         bad = dataclasses.replace(cfg, reference_sha256="0" * 64)

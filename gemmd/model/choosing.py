@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -74,6 +75,17 @@ def other_settings(prior: ForestModel, t: Table, least: int) -> tuple[list[str],
     own = prior.transfer_setting()
     return [setting_name(w, a) for w, a in TRANSFER_GRID
             if not (math.isclose(w, own[0]) and math.isclose(a, own[1]))], gpus
+
+
+def describe(model: Any) -> str:
+    """What a calibrated model (TransferModel) chose, for the daemon's log: the recipe
+    per target and a transfer setting its probes chose, if any."""
+    rec = (model.meta.get("transfer") or {}).get("setting")
+    out = "recipes " + ", ".join(f"{tg} {c}" for tg, c in sorted(model.choice.items()))
+    if rec:
+        out += (f"; {', '.join(rec['gpus'])} carried as w={rec['w']:g} a={rec['a']:g} "
+                f"(its probes chose it over {rec['was'][len(CARRIED):]})")
+    return out
 
 
 def _select(apes: Mapping[str, np.ndarray], default: str = "calibrated",
