@@ -24,8 +24,7 @@ from gemmd.config import ModelConfig
 from gemmd.errors import ModelError, StoreError
 from gemmd.features import NUMERIC_DEFAULTS, TARGET_COLUMNS, TEXT_DEFAULTS, Table
 from gemmd.gemm import ProbeSpec
-from gemmd.model import ForestModel, RooflinePredictor, TransferModel
-from gemmd.model.choosing import describe
+from gemmd.model import ForestModel, RooflinePredictor, TransferModel, describe_calibration
 from gemmd.modelfile import check_archive
 from gemmd.records import DeviceInfo, Prediction
 from gemmd.state import State
@@ -167,7 +166,7 @@ class ModelRegistry:
         model = TransferModel.fit(self.prior, t, self.cfg, own=own)
         self._set(model, time.time())
         logger.info("predictions from %s calibrated on %d stored probes: %s", model.version,
-                    len(t), describe(model))
+                    len(t), describe_calibration(model))
 
     def _set(self, model: ForestModel | TransferModel | RooflinePredictor,
              created: float | None) -> None:

@@ -36,7 +36,7 @@ PUBLIC = {
                     "measured_of", "predicted_of", "residual_of", "stand_in"],
     "gemmd.devices": ["BusyLimits", "Device", "open_devices", "select"],
     "gemmd.model": ["ForestModel", "RooflinePredictor", "TARGETS", "TransferModel",
-                    "shape_hashes", "table_hash"],
+                    "describe_calibration", "shape_hashes", "table_hash"],
     "gemmd.exporter": ["Exposition", "Metrics", "assemble", "host_name", "serve"],
     "gemmd.store": ["DAEMON_SOURCE", "INTERVAL_COLUMNS", "REQUIRED_COLUMNS", "SCHEMA_VERSION",
                     "InstanceLock", "Store", "events_sql", "measured_by", "sentinels_sql"],

@@ -18,7 +18,7 @@ from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
-from gemmd.model.choosing import carried, describe
+from gemmd.model.choosing import carried, describe_calibration
 from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
 from gemmd.model.offsets import (
@@ -202,8 +202,9 @@ def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
     b200 = rows(datasets.KNOWN_GPUS["b200"], 50, 26, 0.8)
     assert np.allclose(tm.predict_table(b200)["runtime"]["point"],
                        was.predict_table(b200)["runtime"]["point"])
-    assert describe(tm) == ("recipes energy calibrated, power calibrated, runtime calibrated"
-                            "; h100-sxm carried as w=0.5 a=1 (its probes chose it over 0,0)")
+    assert describe_calibration(tm) == (
+        "recipes energy calibrated, power calibrated, runtime calibrated"
+        "; h100-sxm carried as w=0.5 a=1 (its probes chose it over 0,0)")
     # a refit starts from the prior as given, not as carried
     assert tm.base_prior is prior and tm.prior is not prior
     assert evaluate.evaluate_model(tm, test, cfg=CFG, calibrate_rows=[12])["splits"][

@@ -16,15 +16,16 @@ The modules, each importing only those above it:
 space (the roofline predictor, target spaces), flat (fast prediction), intervals
 (fitting, noise, intervals), repeats (repeated configurations, seen shapes), domain (the
 training domain), offsets (a device's offsets from a prior), validation (at fit time),
-persistence (the model file), forest (ForestModel), calibration (calibrate), transfer
-(TransferModel).
+persistence (the model file), forest (ForestModel), calibration (calibrate), choosing
+(what a new GPU's probes choose between), transfer (TransferModel).
 """
 
 from gemmd.gemm import TARGETS
+from gemmd.model.choosing import describe_calibration
 from gemmd.model.forest import ForestModel
 from gemmd.model.repeats import shape_hashes
 from gemmd.model.space import RooflinePredictor, table_hash
 from gemmd.model.transfer import TransferModel
 
-__all__ = ["TARGETS", "ForestModel", "RooflinePredictor", "TransferModel", "shape_hashes",
-           "table_hash"]
+__all__ = ["TARGETS", "ForestModel", "RooflinePredictor", "TransferModel",
+           "describe_calibration", "shape_hashes", "table_hash"]

@@ -77,7 +77,7 @@ def other_settings(prior: ForestModel, t: Table, least: int) -> tuple[list[str],
             if not (math.isclose(w, own[0]) and math.isclose(a, own[1]))], gpus
 
 
-def describe(model: Any) -> str:
+def describe_calibration(model: Any) -> str:
     """What a calibrated model (TransferModel) chose, for the daemon's log: the recipe
     per target and a transfer setting its probes chose, if any."""
     rec = (model.meta.get("transfer") or {}).get("setting")
