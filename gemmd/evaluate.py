@@ -10,7 +10,7 @@ The noise floor is what repeated measurements of one configuration disagree by.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -336,11 +336,17 @@ def _settings(chosen: Sequence[dict[str, Any] | None]) -> list[str]:
     return sorted({f"w={c['w']:g} a={c['a']:g}" for c in chosen if c})
 
 
+def _judged(runs: Sequence[dict[str, dict[str, float]]]
+            ) -> Iterator[tuple[str, list[dict[str, float]]]]:
+    """Per target of any run: (target, its scores in the runs that judged rows of it)."""
+    for target in dict.fromkeys(tg for r in runs for tg in r):
+        yield target, [r[target] for r in runs if target in r and r[target].get("n")]
+
+
 def _mean_scores(runs: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Per target and metric, the mean over runs that have it (n: the mean count)."""
     out: dict[str, dict[str, float]] = {}
-    for target in dict.fromkeys(tg for r in runs for tg in r):
-        per = [r[target] for r in runs if target in r and r[target].get("n")]
+    for target, per in _judged(runs):
         if per:
             keys = dict.fromkeys(k for p in per for k in p)
             out[target] = {k: float(np.mean([p[k] for p in per if k in p])) for k in keys}
@@ -355,8 +361,7 @@ def _spread_scores(runs: Sequence[dict[str, dict[str, float]]]
     """Per target, the standard deviation over runs (ddof 1) of SPREAD_METRICS, where
     two runs or more have it."""
     out: dict[str, dict[str, float]] = {}
-    for target in dict.fromkeys(tg for r in runs for tg in r):
-        per = [r[target] for r in runs if target in r and r[target].get("n")]
+    for target, per in _judged(runs):
         sd = {k: float(np.std(v, ddof=1)) for k in SPREAD_METRICS
               if len(v := [p[k] for p in per if p.get(k) is not None]) >= 2}
         if sd:

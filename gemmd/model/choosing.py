@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from gemmd.features import Table
-from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import TRANSFER_GRID
 from gemmd.model.forest import ForestModel
+from gemmd.model.validation import _row_gpu_keys
 
 # Another way replaces the default where cross-validation over the probes finds it
 # better by SELECT_SE standard errors of the paired difference (TransferModel._cv). With
@@ -67,7 +67,7 @@ def other_settings(prior: ForestModel, t: Table, least: int) -> tuple[list[str],
     if flags is None:
         return [], []
     todo = flags["gpu"] & ~flags["kernel"]
-    keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device][todo]
+    keys = _row_gpu_keys(t)[todo]
     names, counts = np.unique(keys.astype(str), return_counts=True)
     gpus = [str(g) for g, c in zip(names, counts) if c >= least]
     if not gpus:

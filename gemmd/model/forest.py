@@ -24,7 +24,6 @@ from gemmd.features import Table
 from gemmd.files import file_sha256
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.gpulibs import import_hiding_cupy
-from gemmd.hardware import gpu_model_key
 from gemmd.model.domain import (
     ANCHOR_CONFIG,
     DEFAULT_TRANSFER,
@@ -75,7 +74,7 @@ from gemmd.model.space import (
     table_hash,
     to_model_space,
 )
-from gemmd.model.validation import _validate
+from gemmd.model.validation import _row_gpu_keys, _validate
 from gemmd.records import DeviceInfo, Prediction
 
 Progress = Callable[[int], None]
@@ -349,10 +348,10 @@ class ForestModel:
         w, a = np.full(len(t), w0), np.full(len(t), a0)
         # per GPU model, a setting its own probes chose (choosing.carried)
         by = ((self.meta.get("logo") or {}).get("runtime") or {}).get("by_gpu") or {}
-        keys = np.array([gpu_model_key(d) for d in t.devices], dtype=object)[t.device] \
-            if by else np.zeros(0)
-        for key, (wk, ak) in by.items():
-            w[keys == key], a[keys == key] = wk, ak
+        if by:
+            keys = _row_gpu_keys(t)
+            for key, (wk, ak) in by.items():
+                w[keys == key], a[keys == key] = wk, ak
         eff = float(self.meta.get("roofline_efficiency", 0.7))
         level = self.forest_levels(t, todo)
         ref = np.log(runtime_reference(t))
