@@ -332,8 +332,10 @@ def evaluate_model(model: Any, t: Table, *, cfg: ModelConfig | None = None,
 
 
 def _settings(chosen: Sequence[dict[str, Any] | None]) -> list[str]:
-    """The transfer settings some calibrations' probes chose (choosing), "w=0.5 a=1"."""
-    return sorted({f"w={c['w']:g} a={c['a']:g}" for c in chosen if c})
+    """The transfer settings some calibrations' probes chose (choosing), "w=0.5 a=1", or
+    "launch" (the prior's own with a launch offset, choosing.LAUNCH)."""
+    return sorted({"launch" if c.get("launch") else f"w={c['w']:g} a={c['a']:g}"
+                   for c in chosen if c})
 
 
 def _judged(runs: Sequence[dict[str, dict[str, float]]]

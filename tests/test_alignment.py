@@ -27,7 +27,7 @@ from gemmd.model.domain import (
     domain_record,
     served_flags,
 )
-from gemmd.model.offsets import _robust_offsets, loss_slope, unaligned_work
+from gemmd.model.offsets import _robust_offsets, launch_share, loss_slope, unaligned_work
 from gemmd.model.transfer import _fit_trees
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
@@ -254,8 +254,9 @@ def test_unaligned_probes_get_their_own_offset_not_the_devices_level(aligned_mod
     # the residual trees' base (the calibrated prior's logs) carries it too
     base = _calibrated_logs(aligned_model, {H100.uuid: both}, test_odd)["runtime"]
     logs = aligned_model.prior_logs(test_odd)[0]
-    assert np.allclose(base, logs["runtime"][0] + [both.offset("runtime", "bf16/blas", w)
-                                                   for w in unaligned_work(test_odd, logs)])
+    assert np.allclose(base, logs["runtime"][0] + [
+        both.offset("runtime", "bf16/blas", w, h)
+        for w, h in zip(unaligned_work(test_odd, logs), launch_share(test_odd, logs))])
     ref = TransferModel.fit(aligned_model, al, CFG, select=False).predict_table(test_al)
     got = tm.predict_table(test_al)["runtime"]["point"]
     assert np.allclose(got, ref["runtime"]["point"], rtol=0.03)
@@ -570,7 +571,7 @@ def test_launch_bound_unaligned_probes_slow_the_whole_runtime_not_the_work():
     assert 0.5 < whole[0] < np.log(2)
     for shares, on_work in (([0.03, 0.05], False), ([0.3, 0.5], True), ([0.05, 0.3], True)):
         work = np.r_[0.0, 0.0, 0.0, 0.0, shares]
-        b, cg, ca = _robust_offsets(*args, ai=ai, tau_a=1.0, work=work)
+        b, cg, ca, _ = _robust_offsets(*args, ai=ai, tau_a=1.0, work=work)
         assert (ca[0] > 2.5) == (max(shares) < 0.1)  # the launch-bound reading: ~exp(3)
         chose, served, w = _align_on_work(e - b - cg[gi], ai, work, ca, whole)
         assert chose == [on_work]

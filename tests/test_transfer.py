@@ -18,7 +18,7 @@ from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
-from gemmd.model.choosing import carried, describe_calibration
+from gemmd.model.choosing import LAUNCH, carried, describe_calibration
 from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
 from gemmd.model.offsets import (
@@ -59,9 +59,9 @@ CFG = ModelConfig(min_samples=2, n_estimators=30)
 
 
 def rows(info, n: int, seed: int, level: float, dtypes=("bf16",), noise: float = 0.03,
-         kernel: str = "blas") -> Table:
+         kernel: str = "blas", launch: float = 4e-6) -> Table:
     """GEMMs at an efficiency that grows with size (the same shape on every GPU) times a
-    per-GPU level, plus a launch cost and lognormal noise."""
+    per-GPU level, plus a ``launch`` cost and lognormal noise."""
     rng = np.random.default_rng(seed)
     recs = [{"m": int(2 ** rng.integers(8, 14)), "n": int(2 ** rng.integers(8, 14)),
              "k": int(2 ** rng.integers(8, 14)), "dtype": str(rng.choice(dtypes)),
@@ -69,7 +69,7 @@ def rows(info, n: int, seed: int, level: float, dtypes=("bf16",), noise: float =
     t = Table.from_rows(recs, [info] * n)
     f = features.flops(t)
     eff = level * (0.9 * (1 - np.exp(-f / 2**32)) + 0.05)
-    t.cols["runtime_s"] = (features.roofline(t) / eff + 4e-6) * np.exp(
+    t.cols["runtime_s"] = (features.roofline(t) / eff + launch) * np.exp(
         rng.normal(0, noise, n))
     return t
 
@@ -170,6 +170,40 @@ def test_a_few_probes_calibrate_a_new_gpu(prior):
                                             [twin]))["runtime"]["in_domain"][0]
 
 
+def test_probes_whose_launch_is_slower_choose_a_launch_offset(prior):
+    """A device whose launch (host, driver, harness) is 3x the prior's: one level for its
+    whole runtime serves the launch's offset to the compute-bound GEMMs and misses the
+    launch-bound ones (12.6% off, 64% covered); the launch's own offset, on the share of
+    the runtime the launch is, takes it (2.6%). From MIN_OVERRIDE probes the
+    cross-validation over them chooses it, as a transfer setting; where the launch is
+    the prior's, or below MIN_OVERRIDE probes, it is not (calibrate's default)."""
+    probes, test = (rows(A100, n, s, 0.8, launch=12e-6) for n, s in ((16, 61), (300, 62)))
+    plain = calibrate(prior, probes)[A100.uuid]
+    cal = calibrate(prior, probes, launch=True)[A100.uuid]
+    assert not plain.launch and plain.level["runtime"] > 0.15
+    # 3 us of the prior's launch share (space.launch_s) take the 8 us more: exp(1.3) = 3.7
+    assert cal.launch["runtime"] == pytest.approx(1.3, abs=0.15)
+    assert abs(cal.level["runtime"]) < 0.05
+    was = TransferModel.fit(prior, probes, CFG, select=False)
+    tm = TransferModel.fit(prior, probes, CFG)
+    assert tm.meta["transfer"]["setting"]["launch"] and tm.choice["runtime"] == "calibrated"
+    assert tm.calibrations[A100.uuid].launch["runtime"] == cal.launch["runtime"]
+    assert mape(tm.predict_table(test), test) < 0.3 * mape(was.predict_table(test), test)
+    assert coverage(tm.predict_table(test), test) >= 0.9 > coverage(was.predict_table(test),
+                                                                    test)
+    assert "a100-sxm-80gb with a launch offset" in describe_calibration(tm)
+    cv = tm.meta["transfer"]["cv"]["runtime"]  # served as "calibrated", the plain one kept
+    assert LAUNCH not in cv and cv["calibrated"]["err"] < 0.7 * cv["carried:0,0"]["err"]
+    res = evaluate.evaluate_model(prior, rows(A100, 200, 63, 0.8, launch=12e-6), cfg=CFG,
+                                  calibrate_rows=[5, 16], seeds=2)["splits"]
+    assert res["5 rows"]["gemmd"]["settings"] == [] and \
+        res["16 rows"]["gemmd"]["settings"] == ["launch"]
+    # the prior's own launch: nothing to choose
+    same = TransferModel.fit(prior, rows(A100, 16, 61, 0.8), CFG)
+    assert "setting" not in same.meta["transfer"] and not \
+        same.calibrations[A100.uuid].launch
+
+
 def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
     """A prior of one GPU model predicts a GPU it never saw by the roofline estimate (no
     evidence says more). Where that GPU runs as the prior's did (one harness, one GPU
@@ -183,7 +217,7 @@ def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
     tm = TransferModel.fit(prior, probes, CFG)
     # (the forest's level half-way: on the H100's peaks its own level is 1.2x off)
     assert tm.meta["transfer"]["setting"] == {"w": 0.5, "a": 1.0, "was": "carried:0,0",
-                                              "gpus": ["h100-sxm"]}
+                                              "gpus": ["h100-sxm"], "launch": False}
     assert tm.prior.meta["logo"]["runtime"]["by_gpu"] == {"h100-sxm": [0.5, 1.0]}
     assert tm.prior.transfer_setting() == prior.transfer_setting() == (0, 0)
     assert tm.choice["runtime"] == "calibrated"
@@ -247,9 +281,9 @@ def test_with_many_probes_the_better_recipe_is_chosen(prior):
     own = ForestModel.fit_table(probes, CFG)
     assert mape(tm.predict_table(test), test) <= 1.25 * mape(own.predict_table(test), test)
     cv = tm.meta["transfer"]["cv"]["runtime"]
-    recipes = {k for k in cv if not k.startswith("carried:")}
+    recipes = {k for k in cv if not k.startswith("carried:") and k != LAUNCH}
     assert recipes == {"calibrated", "residual", "own", "few", "blend"} == set(CHOICES)
-    assert len(cv) - len(recipes) == len(TRANSFER_GRID) - 1  # the other settings
+    assert len(cv) - len(recipes) == len(TRANSFER_GRID)  # the other settings and LAUNCH
     assert cv["blend"]["weight"] in BLEND_WEIGHTS
     assert coverage(tm.predict_table(test), test) >= 0.75
 
@@ -604,7 +638,7 @@ def test_the_level_worth_is_validated_per_number_of_probes():
         errs = []
         for _ in range(200):
             idx = draws.choice(len(r), n, replace=False)
-            b, _, _ = _robust_offsets(r[idx], np.zeros(n, dtype=np.int64), 1, 0.3, tau,
+            b, _, _, _ = _robust_offsets(r[idx], np.zeros(n, dtype=np.int64), 1, 0.3, tau,
                                    np.array([tau]))
             errs.append(np.mean(np.abs(np.expm1(b - r))))
         assert np.mean(errs) <= 1.02 * np.mean(np.abs(np.expm1(-r))), n

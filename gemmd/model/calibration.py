@@ -27,6 +27,7 @@ from gemmd.model.offsets import (
     LEVEL_SD_KNOWN,
     RESID_DOF0,
     RESID_SD0,
+    TAU_LAUNCH,
     DeviceCalibration,
     _groups,
     _robust_offsets,
@@ -34,6 +35,7 @@ from gemmd.model.offsets import (
     aligned_loss,
     group_n0,
     interval_scale,
+    launch_share,
     level_n0,
     loss_slope,
     resid_dof0,
@@ -71,20 +73,24 @@ def _group_sd(rec: Mapping[str, Any], group: str, probes: float, s0: float, tied
     return tied if g0 is None else min(max(s0 / math.sqrt(g0), LEVEL_SD_FLOOR), cap)
 
 
-def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
+def calibrate(prior: ForestModel, t: Table, launch: bool = False
+              ) -> dict[str, DeviceCalibration]:
     """Per device of ``t`` (its probes, measured): its offsets from ``prior``.
 
     Per target, log(measured / prior) = level + group offset + noise, each term shrunk
     toward 0 (the prior) by its prior spread (Bayesian shrinkage: with few probes the
     prior, with many the device's own level), Huber-weighted. On a GPU model the prior
     never saw, the level's spread and the scatter are what leave-one-GPU-out validation
-    measured and chose at fit time (_unknown_priors, _validate_calibration)."""
+    measured and chose at fit time (_unknown_priors, _validate_calibration). ``launch``:
+    the runtime's launch gets an offset of its own beyond the level (_robust_offsets'
+    ``share``; where the probes choose it: choosing.LAUNCH)."""
     logs, flags = prior.prior_logs(t)
     groups = _groups(t)
     sizes = _log2_sizes(t)
     aligns = align_log2(t)
     # per row: aligned below 16 bytes, and then its work share (what such a loss slows)
     unal, work_all = unaligned(t), unaligned_work(t, logs)
+    share_all = launch_share(t, logs)  # what a device's launch offset slows (runtime)
     out: dict[str, DeviceCalibration] = {}
     dom = prior.meta.get("domain_targets") or {}
     shape_ids = shape_hashes(t)
@@ -170,16 +176,19 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
             # what an unaligned probe's loss slows is its work, not its launch; unless
             # the dtype's probes say the loss is the whole runtime's (_align_on_work)
             work, tau_a = work_all[sel][ok], tau_o.get("align", 1.0)
+            # the launch's own offset: runtime only (power has no launch in it)
+            share = share_all[sel][ok] if launch and target == "runtime" else np.zeros(len(e))
             fit = functools.partial(_robust_offsets, e, gi, len(names), s0, tau_b, tau_g, u,
-                                    s0_g, ai=ai, tau_a=tau_a, an=an)
-            b, cg, ca = fit(work=work)
+                                    s0_g, ai=ai, tau_a=tau_a, an=an, share=share)
+            b, cg, ca, dl = fit(work=work)
             lost = np.unique(ai[ai >= 0])  # the dtypes (indices in d_un) probed unaligned
             if len(lost):
-                on_work, ca, work = _align_on_work(e - b - cg[gi], ai, work, ca, fit()[2], an)
+                on_work, ca, work = _align_on_work(e - b - cg[gi] - aligned_loss(dl, share),
+                                                   ai, work, ca, fit()[2], an)
                 if not all(on_work):  # the level and groups beside the loss as served (a
                     # new kernel's unaligned probes less the work's reading of it: its
                     # offset -0.35 where 0.03, the level -0.70 where 0.05)
-                    b, cg, ca = fit(work=work)
+                    b, cg, ca, dl = fit(work=work)
                 cal.align_on_work[target] = {str(d_un[i]): on_work[i] for i in lost}
                 slope = loss_slope(ca[np.maximum(ai, 0)], work) * (ai >= 0)
                 cal.align_precision[target] = {str(d_un[i]): float(np.sum(slope[ai == i] ** 2) + (
@@ -191,7 +200,8 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 cal.align_least[target] = {str(d_un[i]): float(np.sort(al[ai == i])[
                     (int(np.sum(ai == i)) - 1) // 2]) for i in lost}
             cal.align_offset[target] = {str(d_un[i]): float(ca[i]) for i in lost}
-            resid = e - b - cg[gi] - _unaligned_loss(ca, ai, work) - _unaligned_loss(ca, an, work)
+            resid = e - b - cg[gi] - _unaligned_loss(ca, ai, work) - _unaligned_loss(
+                ca, an, work) - aligned_loss(dl, share)
             mine = ~new_kernel[gi]
             # the scatter guess s0 against the probes' own: as leave-one-GPU-out chose
             # on a GPU model the prior never saw, for as many probes of kernels it ran
@@ -214,6 +224,10 @@ def calibrate(prior: ForestModel, t: Table) -> dict[str, DeviceCalibration]:
                 cal.group_dof.setdefault(target, {})[str(names[i])] = \
                     RESID_DOF0 + max(int(mine.sum()) - 1, 0)
             cal.level[target] = b
+            if share.any():
+                cal.launch[target] = dl
+                cal.launch_precision[target] = float(np.sum(loss_slope(dl, share[ai < 0]) ** 2)
+                                                     + (s0 / TAU_LAUNCH) ** 2)
             cal.groups[target] = {str(nm): float(v) for nm, v in zip(names, cg)}
             cal.counts[target] = {str(nm): int(v) for nm, v in zip(names, n_g)}
             # the probes behind each group's offset and the level: the aligned ones (an
@@ -286,10 +300,10 @@ def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], 
     groups = _groups(t)
     uuids = [d.uuid for d in t.devices]
     out = {}
-    work = unaligned_work(t, logs)
+    work, share = unaligned_work(t, logs), launch_share(t, logs)
     for target, (mu, _) in logs.items():
-        off = np.array([cals[uuids[int(d)]].offset(target, g, a) if uuids[int(d)] in cals
-                        else 0.0 for d, g, a in zip(t.device, groups, work)])
+        off = np.array([cals[uuids[int(d)]].offset(target, g, a, h) if uuids[int(d)] in cals
+                        else 0.0 for d, g, a, h in zip(t.device, groups, work, share)])
         out[target] = mu + off
     return out
 

@@ -35,6 +35,13 @@ SELECT_SE = 1.0
 # and 20 probes of the H200 left the estimate at 13% (bench/RESULTS.md, the sixteenth
 # session). The probes are the only evidence of which holds for the GPU at hand.
 CARRIED = "carried:"
+# The calibrated prior whose runtime's launch (space.launch_s, 3 us) takes an offset of
+# its own beyond the level (calibrate(launch=True)), judged beside the settings: the
+# launch is the host's, driver's and harness's as much as the GPU's. Chosen by the
+# probes, not always on: free from the first probe it cost 5 heavy-tailed probes of a
+# one-GPU prior 8% of MAPE where its level was right, and the shared MI355X 30.8% ->
+# 34.5% at 5 probes of the other GPUs' prior (bench/RESULTS.md, the seventeenth session).
+LAUNCH = "launch"
 
 
 def setting_name(w: float, a: float) -> str:
@@ -60,21 +67,35 @@ def carried(prior: ForestModel, w: float, a: float, gpus: Sequence[str]) -> Fore
 
 
 def other_settings(prior: ForestModel, t: Table, least: int) -> tuple[list[str], list[str]]:
-    """(the settings other than ``prior``'s own, by name; the GPU models they are for):
-    the GPU models of ``t`` that the prior never saw with ``least`` probes or more of
-    kernels it knows (where ForestModel.transfer_runtime carries it), else none."""
+    """(the ways other than the prior's own, by name; the GPU models they are for): the
+    transfer settings other than ``prior``'s for the GPU models of ``t`` that it never
+    saw with ``least`` probes or more of kernels it knows (where
+    ForestModel.transfer_runtime carries it), and LAUNCH where any GPU model has that
+    many (those never seen, else those probed); else none."""
     flags = prior.target_flags(t).get("runtime")
     if flags is None:
         return [], []
-    todo = flags["gpu"] & ~flags["kernel"]
-    keys = _row_gpu_keys(t)[todo]
-    names, counts = np.unique(keys.astype(str), return_counts=True)
-    gpus = [str(g) for g, c in zip(names, counts) if c >= least]
-    if not gpus:
+    keys = _row_gpu_keys(t)
+
+    def models(rows: np.ndarray) -> list[str]:
+        names, counts = np.unique(keys[rows].astype(str), return_counts=True)
+        return [str(g) for g, c in zip(names, counts) if c >= least]
+
+    new, probed = models(flags["gpu"] & ~flags["kernel"]), models(~flags["kernel"])
+    if not probed:
         return [], []
     own = prior.transfer_setting()
-    return [setting_name(w, a) for w, a in TRANSFER_GRID
-            if not (math.isclose(w, own[0]) and math.isclose(a, own[1]))], gpus
+    return [*(setting_name(w, a) for w, a in TRANSFER_GRID if new and not (
+        math.isclose(w, own[0]) and math.isclose(a, own[1]))), LAUNCH], new or probed
+
+
+def served(prior: ForestModel, name: str, gpus: Sequence[str]
+           ) -> tuple[ForestModel, bool, tuple[float, float]]:
+    """What a way of other_settings calibrates: (the prior carried to ``gpus`` by the
+    setting ``name``, or by its own for LAUNCH; whether the launch has an offset of its
+    own; the setting)."""
+    w, a = prior.transfer_setting() if name == LAUNCH else parse_setting(name)
+    return carried(prior, w, a, gpus), name == LAUNCH, (w, a)
 
 
 def describe_calibration(model: Any) -> str:
@@ -82,7 +103,9 @@ def describe_calibration(model: Any) -> str:
     per target and a transfer setting its probes chose, if any."""
     rec = (model.meta.get("transfer") or {}).get("setting")
     out = "recipes " + ", ".join(f"{tg} {c}" for tg, c in sorted(model.choice.items()))
-    if rec:
+    if rec and rec.get("launch"):
+        out += f"; {', '.join(rec['gpus'])} with a launch offset (its probes chose it)"
+    elif rec:
         out += (f"; {', '.join(rec['gpus'])} carried as w={rec['w']:g} a={rec['a']:g} "
                 f"(its probes chose it over {rec['was'][len(CARRIED):]})")
     return out

@@ -13,6 +13,7 @@ import numpy as np
 
 from gemmd.features import Table
 from gemmd.model.domain import ALIGN_LOG2, OOD_SD, align_log2, work_share
+from gemmd.model.space import launch_s
 
 # A device's first probes correct a prior model fitted on other GPUs (TransferModel): a
 # device-wide offset in log space, then one per dtype/kernel, each shrunk toward the
@@ -36,6 +37,14 @@ RESID_DOF0 = 3.0  # the weight of that guess, in probes
 # RTX 4070 did worse than with it).
 LEVEL_N0_DEFAULT_BY_N = {"5": 32.0, "20": 64.0, "50": 64.0}
 LEVEL_N0_DEFAULT = 0.36
+# How far a device's launch (the fixed cost the prior's runtime holds beside its work,
+# space.launch_s) may stray from its work's level before its probes say (log, runtime):
+# the launch is the host's, driver's and harness's as much as the GPU's. The shared
+# data's B200 runs its launch-bound GEMMs 2-2.6x slower than a 3 us launch where its
+# compute-bound ones are 6-10% off the roofline estimate; an H100 prior of the same
+# harness is 0.3-0.6 off on the first, 0.0-0.1 on the second (bench/RESULTS.md, the
+# seventeenth session). One level for both served the launch's offset to every row.
+TAU_LAUNCH = 0.5
 
 
 def level_n0(rec: Mapping[str, Any], probes: float, target: str = "runtime") -> float:
@@ -136,6 +145,12 @@ class DeviceCalibration:
     # leave-one-GPU-out's simulated calibrations found to hold the nominal share
     # (interval_scale; not on a kernel the prior never saw, which they did not judge)
     scale: dict[str, float] = field(default_factory=dict)
+    # per target (runtime): how much slower (log) the launch runs than the work's level
+    # says (TAU_LAUNCH), and its precision in probes whose launch share moves one for one
+    # with it (the sum of loss_slope squared over the aligned probes, plus the
+    # shrinkage's pseudo-count)
+    launch: dict[str, float] = field(default_factory=dict)
+    launch_precision: dict[str, float] = field(default_factory=dict)
     # whose measurements the probes were (features.row_sources), where all say the same:
     # what a prediction for this device that names no source is taken to be about
     source: str = ""
@@ -146,16 +161,20 @@ class DeviceCalibration:
         validated), else the device's."""
         return self.group_dof.get(target, {}).get(group, self.dof[target])
 
-    def offset(self, target: str, group: str, work: float = 0.0) -> float:
+    def offset(self, target: str, group: str, work: float = 0.0, share: float = 0.0
+               ) -> float:
         """The calibrated prior's log offset for a row of ``group``; ``work``: where the
         row is unaligned, its work share (unaligned_work), which its dtype's
-        align_offset slows (0 where aligned)."""
+        align_offset slows (0 where aligned); ``share``: the launch's share of its prior
+        runtime (launch_share), which ``launch`` slows."""
         dtype = group.split("/")[0]
         ca = self.align_offset.get(target, {}).get(dtype, 0.0) if work else 0.0
         if ca and not self.align_on_work.get(target, {}).get(dtype, True):
             work = 1.0
+        dl = self.launch.get(target, 0.0) if share else 0.0
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + (
-            float(aligned_loss(ca, work)) if ca else 0.0)
+            float(aligned_loss(ca, work)) if ca else 0.0) + (
+            float(aligned_loss(dl, share)) if dl else 0.0)
 
     def loss_variance(self, target: str, dtype: str, work: float) -> float:
         """The variance an unaligned row (``work``: its work share, 0 where aligned) adds
@@ -175,18 +194,22 @@ class DeviceCalibration:
         return max(su2 - s2, 0.0) + su2 * float(loss_slope(ca, w)) ** 2 / prec
 
     def variance(self, target: str, group: str, unseen_sd: float | None = None,
-                 work: float = 0.0) -> float:
+                 work: float = 0.0, share: float = 0.0) -> float:
         """Variance of a new measurement around the calibrated prediction (log space).
         ``unseen_sd``: the prior spread of ``group``'s offset where neither the prior nor
         the probes saw it (a kernel the prior never ran: OOD_SD's "kernel"); else that
         of a dtype outside the domain. ``work``: an unaligned row's work share (its
-        loss's uncertainty, loss_variance)."""
+        loss's uncertainty, loss_variance); ``share``: its launch share (the launch's
+        uncertainty, as the loss's)."""
         s2 = self.sd[target] ** 2
         own = self.group_scatter.get(target, {}).get(group)
         if own is not None:
             s2 = own**2
         var = s2 * (1.0 + 1.0 / self.precision[target]) + self.loss_variance(
             target, group.split("/")[0], work)
+        if share and target in self.launch_precision:
+            var += s2 * float(loss_slope(self.launch[target], share)) ** 2 / \
+                self.launch_precision[target]
         n_g = self.offset_counts.get(target, self.counts.get(target, {})).get(group, 0)
         tau = self.group_sd.get(target, {}).get(group)
         if tau is None:  # a group neither the prior nor the probes saw
@@ -211,6 +234,15 @@ def unaligned_work(t: Table, logs: Mapping[str, tuple[np.ndarray, Any]]) -> np.n
     loss is the whole runtime's takes all of it; 1 without a runtime); 0 where aligned."""
     share = work_share(logs["runtime"][0]) if "runtime" in logs else np.ones(len(t))
     return np.where(unaligned(t), np.maximum(share, MIN_WORK), 0.0)
+
+
+def launch_share(t: Table, logs: Mapping[str, tuple[np.ndarray, Any]]) -> np.ndarray:
+    """Per row: the share of its prior runtime (``logs``' "runtime") that is the launch
+    (space.launch_s: none for CUTLASS profiler rows), which a device's launch offset
+    slows (aligned_loss, as an unaligned loss slows the work); 0 without a runtime."""
+    if "runtime" not in logs:
+        return np.zeros(len(t))
+    return np.clip(launch_s(t) / np.exp(logs["runtime"][0]), 0.0, 1.0)
 
 
 def aligned_loss(ca: Any, work: Any) -> Any:
@@ -245,8 +277,9 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
                     tau_g: np.ndarray, u: np.ndarray | None = None,
                     s0_g: np.ndarray | None = None, k: float = 1.345,
                     ai: np.ndarray | None = None, tau_a: float = 1.0,
-                    work: np.ndarray | None = None, an: np.ndarray | None = None
-                    ) -> tuple[float, np.ndarray, np.ndarray]:
+                    work: np.ndarray | None = None, an: np.ndarray | None = None,
+                    share: np.ndarray | None = None, tau_l: float = TAU_LAUNCH
+                    ) -> tuple[float, np.ndarray, np.ndarray, float]:
     """Level b and group offsets with e ~ b + cg[gi] + noise: each shrunk toward 0 (the
     prior) by its prior spread, and Huber-weighted, so that one launch-bound or
     thermally throttled probe among five does not move a device's whole calibration.
@@ -263,15 +296,19 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
     it (-1 elsewhere; an unaligned probe of a kernel the prior never ran): that loss is
     taken off it before it speaks for its level and group, which a row of its group is
     served beside the loss (before, its group's offset took its loss too: counted twice
-    on its unaligned rows, and once on its aligned ones)."""
+    on its unaligned rows, and once on its aligned ones). ``share``: per probe, the
+    launch's share of its prior runtime (launch_share): the launch's own offset beyond
+    the level (returned fourth), from the aligned probes, shrunk toward none by
+    ``tau_l``, slows that share alone (aligned_loss, as the loss the work)."""
     s0_g = np.full(groups, s0) if s0_g is None else s0_g
     u = np.ones(len(e)) if u is None else u
     ai = np.full(len(e), -1) if ai is None else ai
     an = np.full(len(e), -1) if an is None else an
     un = ai >= 0
     x = np.ones(len(e)) if work is None else np.maximum(work, MIN_WORK)
+    ls = np.zeros(len(e)) if share is None else share
     w = np.ones(len(e))
-    b, cg, ca = 0.0, np.zeros(groups), np.zeros(int(ai.max(initial=-1)) + 1)
+    b, cg, ca, dl = 0.0, np.zeros(groups), np.zeros(int(ai.max(initial=-1)) + 1), 0.0
     for _ in range(8):
         for _ in range(3):  # backfitting: the level, then the groups, the unaligned loss
             # the level and the groups from aligned probes only: beside an unaligned
@@ -279,12 +316,20 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
             # (a dtype probed unaligned only left the loss in the level)
             wa = np.where(un, 0.0, w)
             wu = wa * u
-            ea = e - _unaligned_loss(ca, an, x)
+            el = e - aligned_loss(dl, ls)  # less the launch's own offset
+            ea = el - _unaligned_loss(ca, an, x)
             b = float(np.sum(wu * (ea - cg[gi])) / (wu.sum() + s0**2 / tau_b**2))
             cg = np.bincount(gi, weights=wa * (ea - b), minlength=groups) / \
                 (np.bincount(gi, weights=wa, minlength=groups) + s0_g**2 / tau_g**2)
+            if ls.any():  # Gauss-Newton steps on d = aligned_loss(dl, share), shrunk
+                d, lam = ea + aligned_loss(dl, ls) - b - cg[gi], s0**2 / tau_l**2
+                for _ in range(3):
+                    jac = loss_slope(dl, ls)
+                    step = np.sum(wa * jac * (d - aligned_loss(dl, ls))) - lam * dl
+                    dl = float(np.clip(dl + step / (np.sum(wa * jac**2) + lam), -3.0, 3.0))
+                el = e - aligned_loss(dl, ls)
             if len(ca):  # Gauss-Newton steps on d = aligned_loss(ca, work), shrunk
-                d, xu, iu, lam = (e - b - cg[gi])[un], x[un], ai[un], s0**2 / tau_a**2
+                d, xu, iu, lam = (el - b - cg[gi])[un], x[un], ai[un], s0**2 / tau_a**2
                 for _ in range(3):
                     f = 1.0 + xu * np.expm1(ca[iu])
                     jac = loss_slope(ca[iu], xu)
@@ -292,11 +337,12 @@ def _robust_offsets(e: np.ndarray, gi: np.ndarray, groups: int, s0: float, tau_b
                                                    minlength=len(ca)) - lam * ca) /
                                  (np.bincount(iu, weights=w[un] * jac**2, minlength=len(ca)) +
                                   lam), -3.0, 5.0)
-        r = e - b - cg[gi] - _unaligned_loss(ca, ai, x) - _unaligned_loss(ca, an, x)
+        r = e - b - cg[gi] - _unaligned_loss(ca, ai, x) - _unaligned_loss(ca, an, x) - \
+            aligned_loss(dl, ls)
         mad = 1.4826 * float(np.median(np.abs(r)))
         scale = math.sqrt((RESID_DOF0 * s0**2 + len(e) * mad**2) / (RESID_DOF0 + len(e)))
         # a group expected to scatter more than the others (a kernel the prior never
         # saw) is judged against its own scatter: its probes are not outliers of the rest
         rs = np.where(s0_g[gi] > s0, np.maximum(scale, s0_g[gi]), scale)
         w = np.minimum(1.0, k * rs / np.maximum(np.abs(r), 1e-12))
-    return b, cg, ca
+    return b, cg, ca, dl

@@ -19,7 +19,7 @@ from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.hardware import gpu_model_key
 from gemmd.model.calibration import _calibrated_logs, calibrate, probed_losses, with_probe_sources
-from gemmd.model.choosing import _select, carried, other_settings, parse_setting, setting_name
+from gemmd.model.choosing import _select, other_settings, served, setting_name
 from gemmd.model.domain import (
     MIN_SD,
     beyond_widening,
@@ -43,7 +43,7 @@ from gemmd.model.intervals import (
     min_cv_rows,
     min_narrow_rows,
 )
-from gemmd.model.offsets import DeviceCalibration, _groups, unaligned_work
+from gemmd.model.offsets import DeviceCalibration, _groups, launch_share, unaligned_work
 from gemmd.model.persistence import _configs
 from gemmd.model.repeats import shape_hashes
 from gemmd.model.space import from_model_space, to_model_space
@@ -140,15 +140,15 @@ class TransferModel:
     @classmethod
     def fit(cls, prior: ForestModel, t: Table, cfg: ModelConfig, *,
             own: ForestModel | None = None, n_jobs: int = 1,
-            select: bool = True) -> TransferModel:
+            select: bool = True, launch: bool = False) -> TransferModel:
         """Calibrate ``prior`` to the devices of ``t`` (their probes) and, with enough
         probes, choose per target between the calibrated prior, residual trees, own
         forest and few-probe trees by cross-validation, and for runtime on a GPU the
         prior never saw, from MIN_OVERRIDE probes, the prior's transfer setting (the
         calibrated prior carried as another (w, a) says: choosing; the choice in
         ``meta["transfer"]["setting"]``). ``own``: a forest already fitted on ``t``
-        (else fitted here when chosen)."""
-        cals = calibrate(prior, t) if len(t) else {}
+        (else fitted here when chosen); ``launch``: calibrate's."""
+        cals = calibrate(prior, t, launch) if len(t) else {}
         n = len(t)
         choice = {tg: "calibrated" for tg in TARGETS}
         cv_scale: dict[str, float] = {}
@@ -166,12 +166,11 @@ class TransferModel:
         base = prior
         if picked.get("runtime") in settings:  # served as the calibrated prior
             name, was = picked["runtime"], setting_name(*prior.transfer_setting())
-            (w, a), rec = parse_setting(name), sub["runtime"]
-            prior = carried(prior, w, a, gpus)
-            cals = calibrate(prior, t)
+            (prior, launch, (w, a)), rec = served(prior, name, gpus), sub["runtime"]
+            cals = calibrate(prior, t, launch)
             rec[was], rec["calibrated"] = rec["calibrated"], rec.pop(name)
             picked["runtime"] = "calibrated"
-            meta["transfer"]["setting"] = {"w": w, "a": a, "was": was, "gpus": gpus}
+            meta["transfer"]["setting"] = dict(w=w, a=a, was=was, gpus=gpus, launch=launch)
         for target, c in picked.items():
             choice[target] = c
             cv_scale[target] = sub[target][c]["scale"]
@@ -259,7 +258,8 @@ class TransferModel:
                 recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
                                           res, probe_domain=dom, few=few, few_groups=fg)
             for name in settings:  # the calibrated prior as served, carried to ``gpus``
-                c = cls.fit(carried(prior, *parse_setting(name), gpus), tr, cfg, select=False)
+                pr, launch, _ = served(prior, name, gpus)
+                c = cls.fit(pr, tr, cfg, select=False, launch=launch)
                 recipes[name] = cls(c.prior, c.calibrations, few=few, probe_domain=dom,
                                     few_groups=fg) if fg else c
             for name, model in recipes.items():
@@ -366,7 +366,7 @@ class TransferModel:
             extra)) if extra else flags0)
         on_prior: dict[str, np.ndarray] = {}  # per target: the calibrated prior's rows
         zrows: dict[str, np.ndarray] = {}  # per target: each row's interval quantile
-        groups, work = _groups(t), unaligned_work(t, logs)
+        groups, work, share = _groups(t), unaligned_work(t, logs), launch_share(t, logs)
         has = np.array([c is not None for c in cals])[t.device]
         used = {self.choice.get(tg, "calibrated") for tg in logs} if has.any() else set()
         if has.any() and (self.few_groups or "blend" in used):
@@ -435,14 +435,14 @@ class TransferModel:
                                    self._floor(target, "few") ** 2)
                 if not len(idx):
                     continue
-                off = np.array([cal.offset(target, g, w) for g, w in zip(groups[idx], work[idx])])
+                rows = list(zip(groups[idx], work[idx], share[idx]))
+                off = np.array([cal.offset(target, g, w, h) for g, w, h in rows])
                 # a kernel the prior never ran keeps its spread until probes of it say
                 # otherwise (before, 0.35 as a dtype: GPPerf's tiled kernel, 50-100x off
                 # the estimate, went from a 14x interval at no probe to a 3x one at 5
                 # probes of CUTLASS)
                 var = np.array([cal.variance(target, g, None if g.split("/")[1] in kernels
-                                             else tau["kernel"], w)
-                                for g, w in zip(groups[idx], work[idx])])
+                                             else tau["kernel"], w, h) for g, w, h in rows])
                 mu[idx] += off
                 extra_sz = beyond[idx] ** 2
                 if choice == "residual" and target in res_logs:

@@ -477,8 +477,8 @@ def _validate_calibration(resid: Sequence[tuple[np.ndarray, np.ndarray]], s0: fl
             nd: dict[float, list[np.ndarray]] = {d: [] for d in need}
             for idx in draws:
                 present, gi = np.unique(g_all[idx], return_inverse=True)
-                b, cg, _ = _robust_offsets(r[idx], gi.ravel(), len(present), s0, tau,
-                                           tau_all[present])
+                b, cg, _, _ = _robust_offsets(r[idx], gi.ravel(), len(present), s0, tau,
+                                              tau_all[present])
                 shift = np.full(len(names_all), b)
                 shift[present] += cg
                 errs.append(float(np.mean(np.abs(np.expm1(shift[g_all] - r)))))
