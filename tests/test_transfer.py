@@ -27,6 +27,7 @@ from gemmd.model.offsets import (
     _robust_offsets,
     group_n0,
     interval_scale,
+    launch_share,
     level_n0,
     resid_dof0,
 )
@@ -179,7 +180,7 @@ def test_probes_whose_launch_is_slower_choose_a_launch_offset(prior):
     the prior's, or below MIN_OVERRIDE probes, it is not (calibrate's default)."""
     probes, test = (rows(A100, n, s, 0.8, launch=12e-6) for n, s in ((16, 61), (300, 62)))
     plain = calibrate(prior, probes)[A100.uuid]
-    cal = calibrate(prior, probes, launch=True)[A100.uuid]
+    cal = calibrate(prior, probes, launch=[A100.uuid])[A100.uuid]
     assert not plain.launch and plain.level["runtime"] > 0.15
     # 3 us of the prior's launch share (space.launch_s) take the 8 us more: exp(1.3) = 3.7
     assert cal.launch["runtime"] == pytest.approx(1.3, abs=0.15)
@@ -191,6 +192,9 @@ def test_probes_whose_launch_is_slower_choose_a_launch_offset(prior):
     assert mape(tm.predict_table(test), test) < 0.3 * mape(was.predict_table(test), test)
     assert coverage(tm.predict_table(test), test) >= 0.9 > coverage(was.predict_table(test),
                                                                     test)
+    # its scatter is what the launch's offset leaves (with the launch's miss in it: 4x wider)
+    r = tm.predict_table(test)["runtime"]
+    assert np.median(r["hi"] / r["point"]) < 1.15
     assert "a100-sxm-80gb with a launch offset" in describe_calibration(tm)
     cv = tm.meta["transfer"]["cv"]["runtime"]  # served as "calibrated", the plain one kept
     assert LAUNCH not in cv and cv["calibrated"]["err"] < 0.7 * cv["carried:0,0"]["err"]
@@ -202,6 +206,40 @@ def test_probes_whose_launch_is_slower_choose_a_launch_offset(prior):
     same = TransferModel.fit(prior, rows(A100, 16, 61, 0.8), CFG)
     assert "setting" not in same.meta["transfer"] and not \
         same.calibrations[A100.uuid].launch
+
+
+def test_a_launch_offset_is_read_on_the_devices_own_probes_of_known_kernels(prior):
+    """The launch's offset is a device's, from its own MIN_OVERRIDE probes: a second card
+    of the GPU model with 4 probes at the prior's launch (one small one 2.5x slow), beside
+    a card whose 16 probes chose LAUNCH, keeps none (it took one from its 4 probes: 49-72%
+    off, 3-8% without). And it is read on the kernels the prior ran: 12 probes of a kernel
+    it never ran, beside 12 of one it did, all at the prior's launch, read 2.1 in log and
+    put the known kernel's rows 25% off (2.5% without); that kernel's offset holds its
+    launch, and its rows take no launch offset."""
+    second = dataclasses.replace(A100, uuid="GPU-second-a100")
+    slow = rows(A100, 16, 61, 0.8, launch=12e-6)
+    other = rows(second, 4, 303, 0.8)
+    share = launch_share(other, prior.prior_logs(other)[0])
+    other.cols["runtime_s"][np.argmax(share)] *= 2.5
+    tm = TransferModel.fit(prior, features.concat([slow, other]), CFG)
+    assert tm.meta["transfer"]["setting"]["launch"]
+    assert tm.calibrations[A100.uuid].launch and not tm.calibrations[second.uuid].launch
+    test = rows(second, 300, 99, 0.8)
+    assert mape(tm.predict_table(test), test) < 0.1
+    # a kernel the prior never ran beside one it ran, both at the prior's launch
+    probes = features.concat([rows(A100, 12, 90, 0.8), rows(A100, 12, 91, 0.8, kernel="tiled")])
+    cal = calibrate(prior, probes, launch=[A100.uuid])[A100.uuid]
+    assert abs(cal.launch["runtime"]) < 0.3
+    blas = rows(A100, 300, 92, 0.8)
+    plain = TransferModel(prior, calibrate(prior, probes))
+    assert mape(TransferModel(prior, {A100.uuid: cal}).predict_table(blas), blas) < \
+        1.2 * mape(plain.predict_table(blas), blas)
+    cal.launch["runtime"] = 1.0  # served: not on the new kernel's rows, whose offset holds it
+    assert cal.offset("runtime", "bf16/tiled", 0.0, 0.5) == cal.offset("runtime", "bf16/tiled")
+    assert cal.offset("runtime", "bf16/blas", 0.0, 0.5) > cal.offset("runtime", "bf16/blas")
+    # and no share on CUTLASS profiler rows (no launch in them)
+    cut = rows(A100, 5, 93, 0.8, kernel="cutlass")
+    assert not launch_share(cut, prior.prior_logs(cut)[0]).any()
 
 
 def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):

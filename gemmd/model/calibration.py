@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,7 +73,7 @@ def _group_sd(rec: Mapping[str, Any], group: str, probes: float, s0: float, tied
     return tied if g0 is None else min(max(s0 / math.sqrt(g0), LEVEL_SD_FLOOR), cap)
 
 
-def calibrate(prior: ForestModel, t: Table, launch: bool = False
+def calibrate(prior: ForestModel, t: Table, launch: Collection[str] = ()
               ) -> dict[str, DeviceCalibration]:
     """Per device of ``t`` (its probes, measured): its offsets from ``prior``.
 
@@ -82,8 +82,9 @@ def calibrate(prior: ForestModel, t: Table, launch: bool = False
     prior, with many the device's own level), Huber-weighted. On a GPU model the prior
     never saw, the level's spread and the scatter are what leave-one-GPU-out validation
     measured and chose at fit time (_unknown_priors, _validate_calibration). ``launch``:
-    the runtime's launch gets an offset of its own beyond the level (_robust_offsets'
-    ``share``; where the probes choose it: choosing.LAUNCH)."""
+    the devices (uuids) whose runtime's launch gets an offset of its own beyond the
+    level, from the probes of kernels the prior ran (_robust_offsets' ``share``; where
+    the probes choose it: choosing.LAUNCH)."""
     logs, flags = prior.prior_logs(t)
     groups = _groups(t)
     sizes = _log2_sizes(t)
@@ -176,8 +177,11 @@ def calibrate(prior: ForestModel, t: Table, launch: bool = False
             # what an unaligned probe's loss slows is its work, not its launch; unless
             # the dtype's probes say the loss is the whole runtime's (_align_on_work)
             work, tau_a = work_all[sel][ok], tau_o.get("align", 1.0)
-            # the launch's own offset: runtime only (power has no launch in it)
-            share = share_all[sel][ok] if launch and target == "runtime" else np.zeros(len(e))
+            # the launch's own offset: runtime only (power has no launch in it), read on
+            # the kernels the prior ran (a new kernel's offset is its own, launch and all:
+            # 12 tiled probes beside 12 blas ones at the prior's launch read 2.1 in log)
+            share = np.where(new_kernel[gi], 0.0, share_all[sel][ok]) if (
+                info.uuid in launch and target == "runtime") else np.zeros(len(e))
             fit = functools.partial(_robust_offsets, e, gi, len(names), s0, tau_b, tau_g, u,
                                     s0_g, ai=ai, tau_a=tau_a, an=an, share=share)
             b, cg, ca, dl = fit(work=work)

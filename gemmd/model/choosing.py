@@ -36,11 +36,12 @@ SELECT_SE = 1.0
 # session). The probes are the only evidence of which holds for the GPU at hand.
 CARRIED = "carried:"
 # The calibrated prior whose runtime's launch (space.launch_s, 3 us) takes an offset of
-# its own beyond the level (calibrate(launch=True)), judged beside the settings: the
-# launch is the host's, driver's and harness's as much as the GPU's. Chosen by the
-# probes, not always on: free from the first probe it cost 5 heavy-tailed probes of a
-# one-GPU prior 8% of MAPE where its level was right, and the shared MI355X 30.8% ->
-# 34.5% at 5 probes of the other GPUs' prior (bench/RESULTS.md, the seventeenth session).
+# its own beyond the level (calibrate(launch=devices), served), judged beside the
+# settings: the launch is the host's, driver's and harness's as much as the GPU's.
+# Chosen by the probes, not always on: free from the first probe it cost 5 heavy-tailed
+# probes of a one-GPU prior 8% of MAPE where its level was right, and the shared MI355X
+# 30.8% -> 34.5% at 5 probes of the other GPUs' prior (bench/RESULTS.md, the seventeenth
+# session).
 LAUNCH = "launch"
 
 
@@ -89,13 +90,21 @@ def other_settings(prior: ForestModel, t: Table, least: int) -> tuple[list[str],
         math.isclose(w, own[0]) and math.isclose(a, own[1]))), LAUNCH], new or probed
 
 
-def served(prior: ForestModel, name: str, gpus: Sequence[str]
-           ) -> tuple[ForestModel, bool, tuple[float, float]]:
+def served(prior: ForestModel, name: str, gpus: Sequence[str], t: Table, least: int
+           ) -> tuple[ForestModel, list[str], tuple[float, float]]:
     """What a way of other_settings calibrates: (the prior carried to ``gpus`` by the
-    setting ``name``, or by its own for LAUNCH; whether the launch has an offset of its
-    own; the setting)."""
+    setting ``name``, or by its own for LAUNCH; the devices whose launch takes an offset
+    of its own, for LAUNCH those of ``t`` of a GPU model of ``gpus`` with ``least``
+    probes of their own (a card with 4 probes beside one with 16 took its launch offset
+    from 4: 49-72% off where 3-8% without), else none; the setting)."""
     w, a = prior.transfer_setting() if name == LAUNCH else parse_setting(name)
-    return carried(prior, w, a, gpus), name == LAUNCH, (w, a)
+    launch: list[str] = []
+    if name == LAUNCH:
+        keys, ok = _row_gpu_keys(t), np.isfinite(t["runtime_s"])
+        counts = np.bincount(t.device[ok & np.isin(keys, list(gpus))],
+                             minlength=len(t.devices))
+        launch = [d.uuid for d, c in zip(t.devices, counts) if c >= least]
+    return carried(prior, w, a, gpus), launch, (w, a)
 
 
 def describe_calibration(model: Any) -> str:

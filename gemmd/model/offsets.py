@@ -171,7 +171,9 @@ class DeviceCalibration:
         ca = self.align_offset.get(target, {}).get(dtype, 0.0) if work else 0.0
         if ca and not self.align_on_work.get(target, {}).get(dtype, True):
             work = 1.0
-        dl = self.launch.get(target, 0.0) if share else 0.0
+        # (not on a kernel the prior never ran: its offset holds its launch)
+        dl = self.launch.get(target, 0.0) if share and group not in self.group_scatter.get(
+            target, {}) else 0.0
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + (
             float(aligned_loss(ca, work)) if ca else 0.0) + (
             float(aligned_loss(dl, share)) if dl else 0.0)
@@ -207,7 +209,7 @@ class DeviceCalibration:
             s2 = own**2
         var = s2 * (1.0 + 1.0 / self.precision[target]) + self.loss_variance(
             target, group.split("/")[0], work)
-        if share and target in self.launch_precision:
+        if share and target in self.launch_precision and own is None:
             var += s2 * float(loss_slope(self.launch[target], share)) ** 2 / \
                 self.launch_precision[target]
         n_g = self.offset_counts.get(target, self.counts.get(target, {})).get(group, 0)

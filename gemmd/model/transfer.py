@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from statistics import NormalDist
 from typing import Any
 
@@ -140,7 +140,7 @@ class TransferModel:
     @classmethod
     def fit(cls, prior: ForestModel, t: Table, cfg: ModelConfig, *,
             own: ForestModel | None = None, n_jobs: int = 1,
-            select: bool = True, launch: bool = False) -> TransferModel:
+            select: bool = True, launch: Collection[str] = ()) -> TransferModel:
         """Calibrate ``prior`` to the devices of ``t`` (their probes) and, with enough
         probes, choose per target between the calibrated prior, residual trees, own
         forest and few-probe trees by cross-validation, and for runtime on a GPU the
@@ -166,11 +166,11 @@ class TransferModel:
         base = prior
         if picked.get("runtime") in settings:  # served as the calibrated prior
             name, was = picked["runtime"], setting_name(*prior.transfer_setting())
-            (prior, launch, (w, a)), rec = served(prior, name, gpus), sub["runtime"]
-            cals = calibrate(prior, t, launch)
+            prior, launch, (w, a) = served(prior, name, gpus, t, MIN_OVERRIDE)
+            cals, rec = calibrate(prior, t, launch), sub["runtime"]
             rec[was], rec["calibrated"] = rec["calibrated"], rec.pop(name)
             picked["runtime"] = "calibrated"
-            meta["transfer"]["setting"] = dict(w=w, a=a, was=was, gpus=gpus, launch=launch)
+            meta["transfer"]["setting"] = dict(w=w, a=a, was=was, gpus=gpus, launch=bool(launch))
         for target, c in picked.items():
             choice[target] = c
             cv_scale[target] = sub[target][c]["scale"]
@@ -258,7 +258,7 @@ class TransferModel:
                 recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
                                           res, probe_domain=dom, few=few, few_groups=fg)
             for name in settings:  # the calibrated prior as served, carried to ``gpus``
-                pr, launch, _ = served(prior, name, gpus)
+                pr, launch, _ = served(prior, name, gpus, t, MIN_OVERRIDE)
                 c = cls.fit(pr, tr, cfg, select=False, launch=launch)
                 recipes[name] = cls(c.prior, c.calibrations, few=few, probe_domain=dom,
                                     few_groups=fg) if fg else c
