@@ -18,7 +18,7 @@ from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
 from gemmd.model.calibration import calibrate
-from gemmd.model.choosing import LAUNCH, carried, describe_calibration
+from gemmd.model.choosing import LAUNCH, carried, describe_calibration, served
 from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
 from gemmd.model.offsets import (
@@ -237,6 +237,10 @@ def test_a_launch_offset_is_read_on_the_devices_own_probes_of_known_kernels(prio
     cal.launch["runtime"] = 1.0  # served: not on the new kernel's rows, whose offset holds it
     assert cal.offset("runtime", "bf16/tiled", 0.0, 0.5) == cal.offset("runtime", "bf16/tiled")
     assert cal.offset("runtime", "bf16/blas", 0.0, 0.5) > cal.offset("runtime", "bf16/blas")
+    # a device whose 10 probes are mostly of that kernel: too few to read a launch on
+    few = features.concat([rows(A100, 5, 90, 0.8), rows(A100, 12, 91, 0.8, kernel="tiled")])
+    assert served(prior, LAUNCH, ["a100-sxm-80gb"], few, 10)[1] == []
+    assert served(prior, LAUNCH, ["a100-sxm-80gb"], probes, 10)[1] == [A100.uuid]
     # and no share on CUTLASS profiler rows (no launch in them)
     cut = rows(A100, 5, 93, 0.8, kernel="cutlass")
     assert not launch_share(cut, prior.prior_logs(cut)[0]).any()

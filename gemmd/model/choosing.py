@@ -95,12 +95,14 @@ def served(prior: ForestModel, name: str, gpus: Sequence[str], t: Table, least: 
     """What a way of other_settings calibrates: (the prior carried to ``gpus`` by the
     setting ``name``, or by its own for LAUNCH; the devices whose launch takes an offset
     of its own, for LAUNCH those of ``t`` of a GPU model of ``gpus`` with ``least``
-    probes of their own (a card with 4 probes beside one with 16 took its launch offset
-    from 4: 49-72% off where 3-8% without), else none; the setting)."""
+    probes of their own of kernels the prior ran, which alone it is read on (a card with
+    4 probes beside one with 16 took its launch offset from 4: 49-72% off where 3-8%
+    without), else none; the setting)."""
     w, a = prior.transfer_setting() if name == LAUNCH else parse_setting(name)
     launch: list[str] = []
     if name == LAUNCH:
-        keys, ok = _row_gpu_keys(t), np.isfinite(t["runtime_s"])
+        keys = _row_gpu_keys(t)
+        ok = np.isfinite(t["runtime_s"]) & ~prior.target_flags(t)["runtime"]["kernel"]
         counts = np.bincount(t.device[ok & np.isin(keys, list(gpus))],
                              minlength=len(t.devices))
         launch = [d.uuid for d, c in zip(t.devices, counts) if c >= least]

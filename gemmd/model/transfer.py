@@ -145,9 +145,9 @@ class TransferModel:
         probes, choose per target between the calibrated prior, residual trees, own
         forest and few-probe trees by cross-validation, and for runtime on a GPU the
         prior never saw, from MIN_OVERRIDE probes, the prior's transfer setting (the
-        calibrated prior carried as another (w, a) says: choosing; the choice in
-        ``meta["transfer"]["setting"]``). ``own``: a forest already fitted on ``t``
-        (else fitted here when chosen); ``launch``: calibrate's."""
+        calibrated prior carried as another (w, a) says), on any a launch offset (choosing;
+        the choice in ``meta["transfer"]["setting"]``). ``own``: a forest already fitted
+        on ``t`` (else fitted here when chosen); ``launch``: calibrate's."""
         cals = calibrate(prior, t, launch) if len(t) else {}
         n = len(t)
         choice = {tg: "calibrated" for tg in TARGETS}
