@@ -234,6 +234,7 @@ class TransferModel:
         # recipe -> target -> (log point, log sd) per row, NaN where not predicted
         pred: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {
             c: {} for c in (*CHOICES, *settings) if c != "blend"}
+        ways = {name: served(prior, name, gpus, t, MIN_OVERRIDE)[:2] for name in settings}
         for train, test in GroupKFold(folds).split(np.zeros(len(t)), groups=gid):
             tr, te = t.take(train), t.take(test)
             base = cls.fit(prior, tr, cfg, select=False)
@@ -257,8 +258,7 @@ class TransferModel:
                 # served as it will be: few-probe trees where the prior has no shape
                 recipes["residual"] = cls(prior, cals, dict.fromkeys(res, "residual"), None,
                                           res, probe_domain=dom, few=few, few_groups=fg)
-            for name in settings:  # the calibrated prior as served, carried to ``gpus``
-                pr, launch, _ = served(prior, name, gpus, t, MIN_OVERRIDE)
+            for name, (pr, launch) in ways.items():  # the calibrated prior as served
                 c = cls.fit(pr, tr, cfg, select=False, launch=launch)
                 recipes[name] = cls(c.prior, c.calibrations, few=few, probe_domain=dom,
                                     few_groups=fg) if fg else c
