@@ -246,6 +246,39 @@ def test_a_launch_offset_is_read_on_the_devices_own_probes_of_known_kernels(prio
     assert not launch_share(cut, prior.prior_logs(cut)[0]).any()
 
 
+def test_a_card_unlike_its_sibling_keeps_its_own_calibration(prior):
+    """The recipes' trees are fitted on the probes of every device, and two cards of one
+    GPU model look alike to them. A card measured as the prior predicts (6 probes),
+    beside one whose 24 probes run 1.8x slow at K >= 2048, was served the other's
+    slowness (18.5% off where its own calibration gives 3.7%); its own out-of-fold
+    errors keep it on the calibrated prior (choosing.held_devices). Cards that are alike
+    share the recipe: the second card of such a pair is 17% off with it, 31% alone."""
+    second = dataclasses.replace(A100, uuid="GPU-second-a100")
+
+    def slow_k(t: Table) -> Table:
+        t.cols["runtime_s"] = t["runtime_s"] * np.where(t["k"] >= 2048, 1.8, 1.0)
+        return t
+
+    mixed = ("bf16", "fp16")
+    odd = slow_k(rows(A100, 24, 400, 0.8, mixed))
+    tm = TransferModel.fit(prior, features.concat([odd, rows(second, 6, 450, 0.8, mixed)]),
+                           CFG)
+    assert tm.choice["runtime"] == "residual"
+    assert tm.meta["transfer"]["held"]["runtime"] == [second.uuid]
+    assert f"runtime residual (calibrated for {second.uuid}: unlike the others)" in \
+        describe_calibration(tm)
+    test = rows(second, 300, 499, 0.8, mixed)
+    assert mape(tm.predict_table(test), test) < 0.06
+    test_odd = slow_k(rows(A100, 300, 498, 0.8, mixed))
+    assert mape(tm.predict_table(test_odd), test_odd) < 0.15  # the recipe serves the first
+    # two cards alike: both served by the recipe
+    alike = TransferModel.fit(prior, features.concat(
+        [odd, slow_k(rows(second, 6, 450, 0.8, mixed))]), CFG)
+    assert alike.choice["runtime"] != "calibrated" and not alike.meta["transfer"]["held"]
+    test = slow_k(rows(second, 300, 499, 0.8, mixed))
+    assert mape(alike.predict_table(test), test) < 0.2
+
+
 def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
     """A prior of one GPU model predicts a GPU it never saw by the roofline estimate (no
     evidence says more). Where that GPU runs as the prior's did (one harness, one GPU

@@ -1,7 +1,8 @@
 """How a device's probes choose between ways of predicting it (TransferModel's
-cross-validation over them): the rule over out-of-fold errors (_select), and the ways
-that differ in how far the prior's knowledge of other GPUs carries to a GPU it never
-saw (the transfer setting (w, a) of ForestModel.transfer_runtime, "carried:w,a")."""
+cross-validation over them): the rule over out-of-fold errors (_select; per device,
+held_devices), and the ways that differ in how far the prior's knowledge of other GPUs
+carries to a GPU it never saw (the transfer setting (w, a) of
+ForestModel.transfer_runtime, "carried:w,a")."""
 
 from __future__ import annotations
 
@@ -43,6 +44,27 @@ CARRIED = "carried:"
 # 30.8% -> 34.5% at 5 probes of the other GPUs' prior (bench/RESULTS.md, the seventeenth
 # session).
 LAUNCH = "launch"
+
+
+def held_devices(apes: Mapping[str, np.ndarray], pick: str, device: np.ndarray,
+                 uuids: Sequence[str], default: str = "calibrated") -> list[str]:
+    """The devices (``uuids``, indexed by ``device`` per probe) that keep ``default``
+    where the probes of all chose ``pick``: those whose own out-of-fold errors are worse
+    under ``pick`` by SELECT_SE standard errors of the paired difference (_select's rule,
+    turned round). The recipes' trees are fitted on every device's probes, and cards of
+    one GPU model look alike to them: a card measured as the prior predicts, beside one
+    that is not and has more probes, was served the other's behaviour (6 probes, 14-29%
+    off where its own calibration gave 3-4%)."""
+    if pick == default or pick not in apes or default not in apes:
+        return []
+    out = []
+    for j, uuid in enumerate(uuids):
+        d = (apes[pick] - apes[default])[device == j]
+        d = d[np.isfinite(d)]
+        if len(d) >= 2 and float(np.mean(d)) > SELECT_SE * float(np.std(d, ddof=1)) / \
+                math.sqrt(len(d)):
+            out.append(uuid)
+    return out
 
 
 def setting_name(w: float, a: float) -> str:
@@ -111,9 +133,13 @@ def served(prior: ForestModel, name: str, gpus: Sequence[str], t: Table, least: 
 
 def describe_calibration(model: Any) -> str:
     """What a calibrated model (TransferModel) chose, for the daemon's log: the recipe
-    per target and a transfer setting its probes chose, if any."""
+    per target, the devices whose own probes kept the calibrated prior instead (a card
+    unlike the others: held_devices), and a transfer setting its probes chose, if any."""
     rec = (model.meta.get("transfer") or {}).get("setting")
-    out = "recipes " + ", ".join(f"{tg} {c}" for tg, c in sorted(model.choice.items()))
+    held = (model.meta.get("transfer") or {}).get("held") or {}
+    out = "recipes " + ", ".join(
+        f"{tg} {c}" + (f" (calibrated for {', '.join(held[tg])}: unlike the others)"
+                       if held.get(tg) else "") for tg, c in sorted(model.choice.items()))
     if rec and rec.get("launch"):
         out += f"; {', '.join(rec['gpus'])} with a launch offset (its probes chose it)"
     elif rec:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from statistics import NormalDist
 from typing import Any
 
@@ -19,7 +19,7 @@ from gemmd.features import Table
 from gemmd.gemm import COLUMN, TARGETS, ProbeSpec
 from gemmd.hardware import gpu_model_key
 from gemmd.model.calibration import _calibrated_logs, calibrate, probed_losses, with_probe_sources
-from gemmd.model.choosing import _select, other_settings, served, setting_name
+from gemmd.model.choosing import _select, held_devices, other_settings, served, setting_name
 from gemmd.model.domain import (
     MIN_SD,
     beyond_widening,
@@ -36,8 +36,6 @@ from gemmd.model.domain import (
 from gemmd.model.flat import _FLAT_MAX_ROWS, _FlatForest, _per_tree
 from gemmd.model.forest import ForestModel
 from gemmd.model.intervals import (
-    MAX_SAMPLES,
-    _aggregate,
     _t_quantile,
     cv_interval_scale,
     min_cv_rows,
@@ -46,7 +44,8 @@ from gemmd.model.intervals import (
 from gemmd.model.offsets import DeviceCalibration, _groups, launch_share, unaligned_work
 from gemmd.model.persistence import _configs
 from gemmd.model.repeats import shape_hashes
-from gemmd.model.space import from_model_space, to_model_space
+from gemmd.model.space import from_model_space
+from gemmd.model.trees import _fit_trees
 from gemmd.records import DeviceInfo, Prediction
 
 MIN_GROUP_PROBES = 10  # probes of a dtype/kernel before trees on the probes predict it
@@ -71,14 +70,6 @@ BLEND_WEIGHTS = (0.25, 0.5, 0.75)
 # on B200 -> H100 (27.2% against 18.0%).
 DEFAULT_CHOICE = "calibrated"
 MIN_OVERRIDE = 10
-# "few": extremely randomized trees on the device's probes, each split the best of one
-# random threshold on each of a third of the features (Breiman's p/3 for regression). On a
-# few probes a bootstrapped forest's best-threshold splits make a coarse step function of
-# them; random thresholds average into a smoother one (bench/transfer.py, 20 probes:
-# 15.6-28.9% MAPE on held-out shapes against 16.1-29.9% for gemmd's forest on the same
-# probes, better on every GPU of the shared data; at 200 probes 7-19% against 8-21%,
-# worse on the RTX 4070 only).
-FEW_MAX_FEATURES = 1 / 3
 
 
 class TransferModel:
@@ -162,7 +153,7 @@ class TransferModel:
         # a GPU model the prior never saw, with as many probes of its own as may replace
         # the default: how far the prior carries to it competes with the recipes
         settings, gpus = other_settings(prior, t, MIN_OVERRIDE)
-        sub, picked = cls._cv(prior, t, cfg, n_jobs, settings, gpus)
+        sub, picked, held = cls._cv(prior, t, cfg, n_jobs, settings, gpus)
         base = prior
         if picked.get("runtime") in settings:  # served as the calibrated prior
             name, was = picked["runtime"], setting_name(*prior.transfer_setting())
@@ -196,6 +187,9 @@ class TransferModel:
                 choice[target] = "calibrated"
                 cv_scale[target] = sub.get(target, {}).get("calibrated", {}).get("scale", 1.0)
         meta["transfer"]["choice"] = dict(choice)
+        # per target, the devices whose own probes keep the calibrated prior
+        meta["transfer"]["held"] = {tg: held[tg] for tg, c in choice.items()
+                                    if c != "calibrated" and held.get(tg)}
         few_groups = {tg: g for tg, g in few_groups.items() if tg in few}
         meta["transfer"]["few_groups"] = few_groups
         out = cls(prior, cals, choice, own if "own" in choice.values() else None, residual,
@@ -209,7 +203,8 @@ class TransferModel:
     @classmethod
     def _cv(cls, prior: ForestModel, t: Table, cfg: ModelConfig, n_jobs: int,
             settings: Sequence[str] = (), gpus: Sequence[str] = ()
-            ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
+            ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str],
+                       dict[str, list[str]]]:
         """Cross-validation over the probes, grouped by shape (the recipes fitted without a
         fold have seen none of its shapes): per target and recipe, the mean absolute
         percentage error of the out-of-fold predictions ("err"), their number ("n") and
@@ -217,9 +212,10 @@ class TransferModel:
         (cv_interval_scale; per kernel too, "by_kernel"); for "blend", the best of
         BLEND_WEIGHTS ("weight"); and per target the recipe chosen: DEFAULT_CHOICE
         unless, from MIN_OVERRIDE probes, another has a lower error by SELECT_SE standard
-        errors of the paired difference. ``settings``: transfer settings (choosing) whose
-        calibrated prior, carried so for the GPU models ``gpus``, is judged beside them
-        for runtime, as one more recipe."""
+        errors of the paired difference; per target the devices whose own probes keep
+        the calibrated prior (choosing.held_devices). ``settings``: transfer settings
+        (choosing) whose calibrated prior, carried so for the GPU models ``gpus``, is
+        judged beside them for runtime, as one more recipe."""
         from sklearn.model_selection import GroupKFold
 
         cap = cv_max_rows(cfg.interval)
@@ -228,7 +224,7 @@ class TransferModel:
         gid = np.unique(shape_hashes(t), return_inverse=True)[1].ravel()
         folds = min(CV_FOLDS, len(np.unique(gid)))
         if folds < 2:
-            return {}, {}
+            return {}, {}, {}
         icfg = dataclasses.replace(cfg, min_samples=2, n_estimators=min(cfg.n_estimators, 50))
         z = NormalDist().inv_cdf(0.5 + cfg.interval / 2)
         # recipe -> target -> (log point, log sd) per row, NaN where not predicted
@@ -332,7 +328,9 @@ class TransferModel:
                 del apes[target][n]
         picked = {target: _select(errs, DEFAULT_CHOICE, override=len(t) >= MIN_OVERRIDE)
                   for target, errs in apes.items()}
-        return out, picked
+        held = {tg: held_devices(apes[tg], c, t.device, [d.uuid for d in t.devices])
+                for tg, c in picked.items()}
+        return out, picked, held
 
     # ------------------------------------------------------------- predicting
     def predict(self, specs: Sequence[ProbeSpec], infos: Sequence[DeviceInfo],
@@ -402,6 +400,12 @@ class TransferModel:
                 if cal is None or target not in cal.level or not sel.any():
                     continue
                 idx = np.flatnonzero(sel)
+                # the recipe, unless the device's own probes kept the calibrated prior
+                ch, sc = choice, scale
+                if cal.uuid in self.meta.get("transfer", {}).get("held", {}).get(target, ()):
+                    ch, sc = "calibrated", self._row_scale(
+                        target, "calibrated", t["kernel"],
+                        self._cv_record(target, "calibrated").get("scale", 1.0))
                 # the device's own data only speak for the dtypes/kernels they cover, and
                 # for a kernel the prior never saw only from MIN_GROUP_PROBES: trees on a
                 # few probes of it, set beside the others, give all its rows those
@@ -411,22 +415,22 @@ class TransferModel:
                         for g in set(groups[idx])}
                 probed = np.array([cal.counts.get(target, {}).get(g, 0) >= need[g]
                                    for g in groups[idx]])
-                if choice == "own" and target in own_res:
+                if ch == "own" and target in own_res:
                     r, i = own_res[target], idx[probed]
-                    mu[i], sd[i], zrow[i] = np.log(r["point"][i]), r["sigma"][i] * scale[i], q
+                    mu[i], sd[i], zrow[i] = np.log(r["point"][i]), r["sigma"][i] * sc[i], q
                     idx = idx[~probed]
-                elif target in few_logs and (choice == "few" or target in self.few_groups):
+                elif target in few_logs and (ch == "few" or target in self.few_groups):
                     mine = probed.copy()
-                    if choice != "few":  # only the groups the prior has no shape for
+                    if ch != "few":  # only the groups the prior has no shape for
                         mine &= np.isin(groups[idx], self.few_groups[target])
                     i = idx[mine]
                     fm, fs = few_logs[target]
                     mu[i] = np.log(from_model_space(target, t.take(i), fm[i]))
-                    sd[i] = np.sqrt(fs[i] ** 2 + near[i] ** 2 + self._floor(target, choice)
-                                    ** 2) * scale[i]
+                    sd[i] = np.sqrt(fs[i] ** 2 + near[i] ** 2 + self._floor(target, ch)
+                                    ** 2) * sc[i]
                     zrow[i] = q
                     idx, probed = idx[~mine], probed[~mine]
-                blend = choice == "blend" and target in few_logs and target in self.blend
+                blend = ch == "blend" and target in few_logs and target in self.blend
                 if blend:  # the trees' prediction for the probed rows, blended below
                     b_rows = idx[probed]
                     fm, fs = few_logs[target]
@@ -445,15 +449,15 @@ class TransferModel:
                                              else tau["kernel"], w, h) for g, w, h in rows])
                 mu[idx] += off
                 extra_sz = beyond[idx] ** 2
-                if choice == "residual" and target in res_logs:
+                if ch == "residual" and target in res_logs:
                     i = np.flatnonzero(probed)
                     rm, rs = res_logs[target]
                     mu[idx[i]] += rm[idx[i]]
-                    sd[idx[i]] = np.sqrt(rs[idx[i]] ** 2 + extra_sz[i]) * scale[idx[i]]
+                    sd[idx[i]] = np.sqrt(rs[idx[i]] ** 2 + extra_sz[i]) * sc[idx[i]]
                     zrow[idx[i]] = q
                     idx, var, extra_sz = idx[~probed], var[~probed], extra_sz[~probed]
                 # the calibrated prior (its factor only where it is the chosen recipe)
-                c = scale[idx] if choice == "calibrated" else self._row_scale(
+                c = sc[idx] if ch == "calibrated" else self._row_scale(
                     target, "calibrated", t["kernel"][idx],
                     self._cv_record(target, "calibrated").get("scale", 1.0))
                 extra_sz = beyond_prior[idx] ** 2
@@ -467,7 +471,7 @@ class TransferModel:
                     own_sd = np.sqrt(var + extra_sz)[np.isin(idx, b_rows)]
                     mu[b_rows] = (1 - lam) * mu[b_rows] + lam * b_mu
                     sd[b_rows] = np.sqrt((1 - lam) * own_sd**2 + lam * b_sd**2) * \
-                        scale[b_rows]
+                        sc[b_rows]
                     zrow[b_rows] = q
             out[target] = (mu, sd)
         if self.prior.meta.get("derived", {}).get("energy") and {"power", "runtime"} <= set(out):
@@ -556,45 +560,4 @@ def unknown_kernel_groups(prior: ForestModel, t: Table) -> dict[str, list[str]]:
                  if g.split("/")[1] not in known and c >= MIN_GROUP_PROBES]
         if names:
             out[target] = names
-    return out
-
-
-def _fit_trees(t: Table, cfg: ModelConfig, targets: Sequence[str],
-               base: Mapping[str, np.ndarray] | None = None, n_jobs: int = 1
-               ) -> dict[str, tuple[Any, float]]:
-    """Per target: extremely randomized trees (FEW_MAX_FEATURES) on the probes of ``t``,
-    repeats of a configuration fitted as one row (their median), and the noise of one
-    measurement (log sd of the repeats; 0 without repeats); on the target's model space,
-    or on log(measured) - ``base[target]`` where ``base`` is given."""
-    from sklearn.ensemble import ExtraTreesRegressor
-
-    X = features.table_matrix(t).astype(np.float32)
-    gid = features.config_ids(t)
-    out: dict[str, tuple[Any, float]] = {}
-    for target in targets:
-        if base is not None and target not in base:
-            continue
-        with np.errstate(divide="ignore", invalid="ignore"):
-            y = to_model_space(target, t) if base is None else \
-                np.log(t[COLUMN[target]]) - base[target]
-        ok = np.isfinite(y)
-        if ok.sum() < 2:
-            continue
-        first, med, cnt, inv = _aggregate(y[ok], gid[ok])
-        noise = 0.0
-        if (cnt >= 2).sum() >= 3:
-            rep = cnt[inv] >= 2
-            dev = y[ok][rep] - (np.bincount(inv, weights=y[ok]) / cnt)[inv][rep]
-            noise = float(np.sqrt(np.sum(dev**2) / (rep.sum() - (cnt >= 2).sum())))
-        Xg = X[ok][first]
-        if len(med) > MAX_SAMPLES:  # bounds the fitting time, as the forests' max_samples
-            keep = np.sort(np.random.default_rng(cfg.seed).choice(len(med), MAX_SAMPLES,
-                                                                  replace=False))
-            Xg, med, cnt = Xg[keep], med[keep], cnt[keep]
-        et = ExtraTreesRegressor(n_estimators=cfg.n_estimators, min_samples_leaf=1,
-                                 max_features=FEW_MAX_FEATURES, random_state=cfg.seed,
-                                 n_jobs=n_jobs)
-        et.fit(Xg, med, sample_weight=cnt.astype(np.float64))
-        et.n_jobs = 1  # predictions are single-threaded whatever the fit used
-        out[target] = (et, noise)
     return out
