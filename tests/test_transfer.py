@@ -17,8 +17,14 @@ from gemmd.config import ModelConfig
 from gemmd.features import Table
 from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, RooflinePredictor, TransferModel
-from gemmd.model.calibration import calibrate
-from gemmd.model.choosing import LAUNCH, carried, describe_calibration, served
+from gemmd.model.calibration import _calibrated_logs, calibrate
+from gemmd.model.choosing import (
+    LAUNCH,
+    carried,
+    describe_calibration,
+    held_devices,
+    served,
+)
 from gemmd.model.domain import OOD_SD, TRANSFER_GRID
 from gemmd.model.intervals import NARROW_LO, cv_interval_scale, min_cv_rows, min_narrow_rows
 from gemmd.model.offsets import (
@@ -277,6 +283,75 @@ def test_a_card_unlike_its_sibling_keeps_its_own_calibration(prior):
     assert alike.choice["runtime"] != "calibrated" and not alike.meta["transfer"]["held"]
     test = slow_k(rows(second, 300, 499, 0.8, mixed))
     assert mape(alike.predict_table(test), test) < 0.2
+
+
+def test_a_card_is_held_on_five_errors_of_its_own_at_95_percent():
+    """held_devices: a device's paired differences (the recipe's errors less the
+    calibrated prior's), NaN dropped, judged from 5 of them by a one-sided Student t at
+    95%, Bonferroni over the devices judged."""
+    device = np.repeat([0, 1, 2, 3], [6, 4, 6, 2])
+    d = np.r_[[0.3, 0.32, 0.28, 0.31, 0.29, np.nan],  # clearly worse: held
+              [0.5, 0.6, 0.55, 0.5],  # worse, but 4 errors: not judged
+              [0.2, 0.0, 0.15, 0.05, 0.2, -0.05],  # t = 2.1: under 2.57 (two judged)
+              [1.0, 1.0]]
+    apes = {"calibrated": np.full(len(device), 0.1), "few": 0.1 + d}
+    uuids = ["a", "b", "c", "d"]
+    assert held_devices(apes, "few", device, uuids) == ["a"]
+    assert held_devices(apes, "calibrated", device, uuids) == []
+    assert held_devices({"few": apes["few"]}, "few", device, uuids) == []
+    # judged alone, the third is held at 95% (t = 2.1 over 2.02)
+    rest = device != 0
+    assert held_devices({k: v[rest] for k, v in apes.items()}, "few", device[rest],
+                        uuids) == ["c"]
+
+
+def test_a_held_card_is_served_as_the_calibrated_prior_whatever_the_recipe(prior):
+    """A held device (meta transfer.held) is served exactly as if the recipe were the
+    calibrated prior: point and interval, on a kernel the prior never ran (few-probe
+    trees, floor and factor as the calibrated prior's) as on the others; the other
+    devices exactly as without the hold."""
+    second = dataclasses.replace(A100, uuid="GPU-second-a100")
+    mixed = ("bf16", "fp16")
+    probes = features.concat([rows(A100, 24, 400, 0.8, mixed),
+                              rows(A100, 12, 401, 0.8, kernel="tiled"),
+                              rows(second, 8, 450, 0.8, mixed),
+                              rows(second, 12, 451, 0.8, kernel="tiled")])
+    tm = TransferModel.fit(prior, probes, CFG)
+    assert tm.few_groups.get("runtime")  # the tiled kernel: few-probe trees serve it
+    test = features.concat([rows(A100, 60, 498, 0.8, mixed), rows(second, 60, 499, 0.8, mixed),
+                            rows(second, 30, 497, 0.8, kernel="tiled"),
+                            rows(A100, 30, 496, 0.8, kernel="tiled")])
+    mine = np.array([test.info(i).uuid == second.uuid for i in range(len(test))])
+    own = ForestModel.fit_table(probes, dataclasses.replace(CFG, min_samples=2))
+    residual = _fit_trees(probes, CFG, ["runtime"], _calibrated_logs(
+        tm.prior, tm.calibrations, probes))
+
+    def served(recipe: str, held: list[str], groups: bool = True) -> dict[str, np.ndarray]:
+        m = copy.copy(tm)
+        m.few_groups = tm.few_groups if groups else {}
+        m.meta = copy.deepcopy(tm.meta)
+        m.meta["transfer"]["held"] = {"runtime": held}
+        m.choice = {**tm.choice, "runtime": recipe}
+        recs = m.meta["transfer"]["cv"]["runtime"]
+        for name, rec in recs.items():  # the recipes' factors and floors unlike the prior's
+            if name != "calibrated":
+                rec.update(scale=1.3 * rec["scale"], floor=rec.get("floor", 0.0) + 0.1,
+                           by_kernel={k: 1.3 * v for k, v in rec.get("by_kernel", {}).items()})
+        m.cv_scale = {**tm.cv_scale, "runtime": recs[recipe]["scale"]}
+        m.own, m.residual = own, {**tm.residual, **residual}
+        m.few = {**tm.few, **_fit_trees(probes, CFG, ["runtime"])}
+        m.blend = {"runtime": 0.5}
+        m._flat = {}
+        return m.predict_table(test)["runtime"]
+
+    for groups in (True, False):  # (without: the tiled rows as the calibrated prior's)
+        plain = served("calibrated", [], groups)
+        for recipe in ("own", "few", "blend", "residual"):
+            held, free = served(recipe, [second.uuid], groups), served(recipe, [], groups)
+            for k in ("point", "lo", "hi"):
+                np.testing.assert_allclose(held[k][mine], plain[k][mine], rtol=1e-9)
+                np.testing.assert_allclose(held[k][~mine], free[k][~mine], rtol=1e-9)
+            assert not np.allclose(free["hi"][mine], plain["hi"][mine])  # the recipe differs
 
 
 def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):

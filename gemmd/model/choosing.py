@@ -46,25 +46,36 @@ CARRIED = "carried:"
 LAUNCH = "launch"
 
 
+# A device keeps the calibrated prior where its own out-of-fold errors show the chosen
+# recipe worse at HELD_CONFIDENCE (one-sided Student t on the paired differences,
+# Bonferroni over the devices judged), from HELD_MIN_PROBES of them. At SELECT_SE with
+# 3-4 probes, 20-30% of healthy new cards beside an alike sibling were held, and lost
+# the recipe their sibling's probes earned them (14.7% -> 35.7% off in one); so, none
+# of 60 (docs/model.md, "A card unlike the others").
+HELD_CONFIDENCE = 0.95
+HELD_MIN_PROBES = 5
+
+
 def held_devices(apes: Mapping[str, np.ndarray], pick: str, device: np.ndarray,
                  uuids: Sequence[str], default: str = "calibrated") -> list[str]:
     """The devices (``uuids``, indexed by ``device`` per probe) that keep ``default``
     where the probes of all chose ``pick``: those whose own out-of-fold errors are worse
-    under ``pick`` by SELECT_SE standard errors of the paired difference (_select's rule,
-    turned round). The recipes' trees are fitted on every device's probes, and cards of
-    one GPU model look alike to them: a card measured as the prior predicts, beside one
-    that is not and has more probes, was served the other's behaviour (6 probes, 14-29%
-    off where its own calibration gave 3-4%)."""
+    under ``pick`` (HELD_CONFIDENCE). The recipes' trees are fitted on every device's
+    probes, and cards of one GPU model look alike to them: a card measured as the prior
+    predicts, beside one that is not and has more probes, was served the other's
+    behaviour (6 probes, 14-29% off where its own calibration gave 3-4%)."""
     if pick == default or pick not in apes or default not in apes:
         return []
-    out = []
+    diffs = {}
     for j, uuid in enumerate(uuids):
         d = (apes[pick] - apes[default])[device == j]
-        d = d[np.isfinite(d)]
-        if len(d) >= 2 and float(np.mean(d)) > SELECT_SE * float(np.std(d, ddof=1)) / \
-                math.sqrt(len(d)):
-            out.append(uuid)
-    return out
+        if (d := d[np.isfinite(d)]).size >= HELD_MIN_PROBES:
+            diffs[uuid] = d
+    from scipy.stats import t as student_t  # with scikit-learn: fitting only
+
+    p = 1.0 - (1.0 - HELD_CONFIDENCE) / max(len(diffs), 1)
+    return [uuid for uuid, d in diffs.items() if float(np.mean(d)) > float(
+        student_t.ppf(p, d.size - 1)) * float(np.std(d, ddof=1)) / math.sqrt(d.size)]
 
 
 def setting_name(w: float, a: float) -> str:

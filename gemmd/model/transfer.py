@@ -395,17 +395,17 @@ class TransferModel:
             beyond_prior = beyond_widening(target, tau, flags_prior[target], run)
             scale = self._row_scale(target, choice, t["kernel"],
                                     self.cv_scale.get(target, 1.0))
+            held = set(self.meta.get("transfer", {}).get("held", {}).get(target, ()))
+            cal_scale = self._row_scale(target, "calibrated", t["kernel"], self._cv_record(
+                target, "calibrated").get("scale", 1.0)) if held else scale
             for j, cal in enumerate(cals):
                 sel = t.device == j
                 if cal is None or target not in cal.level or not sel.any():
                     continue
                 idx = np.flatnonzero(sel)
                 # the recipe, unless the device's own probes kept the calibrated prior
-                ch, sc = choice, scale
-                if cal.uuid in self.meta.get("transfer", {}).get("held", {}).get(target, ()):
-                    ch, sc = "calibrated", self._row_scale(
-                        target, "calibrated", t["kernel"],
-                        self._cv_record(target, "calibrated").get("scale", 1.0))
+                ch, sc = ("calibrated", cal_scale) if t.devices[j].uuid in held else \
+                    (choice, scale)
                 # the device's own data only speak for the dtypes/kernels they cover, and
                 # for a kernel the prior never saw only from MIN_GROUP_PROBES: trees on a
                 # few probes of it, set beside the others, give all its rows those
