@@ -277,6 +277,11 @@ def test_a_card_unlike_its_sibling_keeps_its_own_calibration(prior):
     assert mape(tm.predict_table(test), test) < 0.06
     test_odd = slow_k(rows(A100, 300, 498, 0.8, mixed))
     assert mape(tm.predict_table(test_odd), test_odd) < 0.15  # the recipe serves the first
+    # whose trees learn from its own probes, not the held card's (11.5% off with them)
+    alone = _fit_trees(odd, CFG, ["runtime"], _calibrated_logs(tm.prior, tm.calibrations, odd))
+    X = features.table_matrix(test_odd).astype(np.float32)
+    np.testing.assert_allclose(tm.residual["runtime"][0].predict(X),
+                               alone["runtime"][0].predict(X))
     # two cards alike: both served by the recipe
     alike = TransferModel.fit(prior, features.concat(
         [odd, slow_k(rows(second, 6, 450, 0.8, mixed))]), CFG)

@@ -175,9 +175,26 @@ class TransferModel:
         few_groups = unknown_kernel_groups(prior, t)
         wanted = {c: [tg for tg, x in choice.items() if x == c or (
             c == "few" and (tg in few_groups or x == "blend"))] for c in ("few", "residual")}
-        few = _fit_trees(t, cfg, wanted["few"], n_jobs=n_jobs) if wanted["few"] else {}
-        residual = _fit_trees(t, cfg, wanted["residual"], _calibrated_logs(prior, cals, t),
-                              n_jobs) if wanted["residual"] else {}
+        uuids = np.array([d.uuid for d in t.devices], dtype=object)
+
+        def learnt(tg: str) -> np.ndarray:
+            """The probes the trees of ``tg`` learn from: a held device's only where they
+            serve it (a kernel the prior never ran). Two cards, the held one's probes in
+            the other's trees: the other 11.5 / 16.7 / 17.0 / 12.5% off, without them
+            9.8 / 16.6 / 11.5 / 9.5% (bench/RESULTS.md, the eighteenth session)."""
+            if not held.get(tg) or choice[tg] == "calibrated":
+                return np.arange(len(t))
+            return np.flatnonzero(~(np.isin(uuids[t.device], held[tg]) & ~np.isin(
+                _groups(t), few_groups.get(tg, []))))
+
+        few: dict[str, tuple[Any, float]] = {}
+        residual: dict[str, tuple[Any, float]] = {}
+        base_logs = _calibrated_logs(prior, cals, t) if wanted["residual"] else {}
+        for tg in wanted["few"]:
+            few.update(_fit_trees(t.take(learnt(tg)), cfg, [tg], n_jobs=n_jobs))
+        for tg in wanted["residual"]:
+            residual.update(_fit_trees(t.take(i := learnt(tg)), cfg, [tg], {
+                k: v[i] for k, v in base_logs.items()}, n_jobs))
         residual = {tg: (et, math.hypot(noise, sub.get(tg, {}).get("residual", {}).get(
             "floor", 0.0))) for tg, (et, noise) in residual.items()}
         for target, c in choice.items():
