@@ -331,7 +331,7 @@ def test_a_held_card_is_served_as_the_calibrated_prior_whatever_the_recipe(prior
     residual = _fit_trees(probes, CFG, ["runtime"], _calibrated_logs(
         tm.prior, tm.calibrations, probes))
 
-    def served(recipe: str, held: list[str], groups: bool = True) -> dict[str, np.ndarray]:
+    def serve(recipe: str, held: list[str], groups: bool = True) -> dict[str, np.ndarray]:
         m = copy.copy(tm)
         m.few_groups = tm.few_groups if groups else {}
         m.meta = copy.deepcopy(tm.meta)
@@ -350,9 +350,9 @@ def test_a_held_card_is_served_as_the_calibrated_prior_whatever_the_recipe(prior
         return m.predict_table(test)["runtime"]
 
     for groups in (True, False):  # (without: the tiled rows as the calibrated prior's)
-        plain = served("calibrated", [], groups)
+        plain = serve("calibrated", [], groups)
         for recipe in ("own", "few", "blend", "residual"):
-            held, free = served(recipe, [second.uuid], groups), served(recipe, [], groups)
+            held, free = serve(recipe, [second.uuid], groups), serve(recipe, [], groups)
             for k in ("point", "lo", "hi"):
                 np.testing.assert_allclose(held[k][mine], plain[k][mine], rtol=1e-9)
                 np.testing.assert_allclose(held[k][~mine], free[k][~mine], rtol=1e-9)
