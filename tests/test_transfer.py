@@ -315,6 +315,30 @@ def test_a_held_cards_probes_leave_the_trees_but_of_a_kernel_the_prior_never_ran
     np.testing.assert_array_equal(tm.few["runtime"][0].predict(X), learnt.predict(X))
 
 
+def test_an_unprobed_card_borrows_a_sibling_that_is_not_held(prior):
+    """A card without probes is predicted by a calibrated sibling's calibration: one held
+    for no target, the most probed. Beside a held card (first in the table) and a slow
+    one, an unprobed card alike the slow one took the held card's calibration with the
+    recipe: 24.4% off; 9.5% with the slow card's."""
+    held_card, slow, unprobed = (dataclasses.replace(A100, uuid=u) for u in (
+        "GPU-a-held", "GPU-b-slow", "GPU-c-unprobed"))
+    mixed = ("bf16", "fp16")
+
+    def slow_k(t: Table) -> Table:
+        t.cols["runtime_s"] = t["runtime_s"] * np.where(t["k"] >= 2048, 1.8, 1.0)
+        return t
+
+    tm = TransferModel.fit(prior, features.concat([rows(held_card, 8, 450, 0.8, mixed),
+                                                   slow_k(rows(slow, 24, 400, 0.8, mixed))]),
+                           CFG)
+    assert tm.meta["transfer"]["held"] == {"runtime": [held_card.uuid]}
+    assert tm.calibration_of(unprobed).uuid == slow.uuid
+    test = slow_k(rows(unprobed, 300, 497, 0.8, mixed))
+    assert mape(tm.predict_table(test), test) < 0.15
+    tm.meta["transfer"]["held"] = {}  # none held: the most probed
+    assert tm.calibration_of(unprobed).uuid == slow.uuid
+
+
 def test_a_card_is_held_on_five_errors_of_its_own_at_95_percent():
     """held_devices: a device's paired differences (the recipe's errors less the
     calibrated prior's), NaN dropped, judged from 5 of them by a one-sided Student t at

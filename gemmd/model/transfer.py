@@ -358,11 +358,17 @@ class TransferModel:
                               len(specs))
 
     def calibration_of(self, info: DeviceInfo) -> DeviceCalibration | None:
-        """The device's calibration; else that of a calibrated card of the same model."""
+        """The device's calibration; else that of a calibrated card of the same model: one
+        held for no target if any (a held card is unlike the others), the most probed
+        (an unprobed card beside a held one and a slow one, alike the slow one, took the
+        held one's calibration with the recipe: 16-29% off)."""
         cal = self.calibrations.get(info.uuid)
         if cal is None:
             key = gpu_model_key(info)
-            cal = next((c for c in self.calibrations.values() if c.gpu == key), None)
+            held = {u for v in self.meta.get("transfer", {}).get("held", {}).values()
+                    for u in v}
+            cal = min((c for c in self.calibrations.values() if c.gpu == key),
+                      key=lambda c: (c.uuid in held, -c.n), default=None)
         return cal
 
     def predict_table(self, t: Table) -> dict[str, dict[str, np.ndarray]]:
