@@ -252,6 +252,12 @@ def test_a_launch_offset_is_read_on_the_devices_own_probes_of_known_kernels(prio
     assert not launch_share(cut, prior.prior_logs(cut)[0]).any()
 
 
+def slow_k(t: Table) -> Table:
+    """``t`` with its runtimes 1.8x slower at K >= 2048 (a card unlike the prior)."""
+    t.cols["runtime_s"] = t["runtime_s"] * np.where(t["k"] >= 2048, 1.8, 1.0)
+    return t
+
+
 def test_a_card_unlike_its_sibling_keeps_its_own_calibration(prior):
     """The recipes' trees are fitted on the probes of every device, and two cards of one
     GPU model look alike to them. A card measured as the prior predicts (6 probes),
@@ -260,10 +266,6 @@ def test_a_card_unlike_its_sibling_keeps_its_own_calibration(prior):
     errors keep it on the calibrated prior (choosing.held_devices). Cards that are alike
     share the recipe: the second card of such a pair is 17% off with it, 31% alone."""
     second = dataclasses.replace(A100, uuid="GPU-second-a100")
-
-    def slow_k(t: Table) -> Table:
-        t.cols["runtime_s"] = t["runtime_s"] * np.where(t["k"] >= 2048, 1.8, 1.0)
-        return t
 
     mixed = ("bf16", "fp16")
     odd = slow_k(rows(A100, 24, 400, 0.8, mixed))
@@ -323,10 +325,6 @@ def test_an_unprobed_card_borrows_a_sibling_that_is_not_held(prior):
     held_card, slow, unprobed = (dataclasses.replace(A100, uuid=u) for u in (
         "GPU-a-held", "GPU-b-slow", "GPU-c-unprobed"))
     mixed = ("bf16", "fp16")
-
-    def slow_k(t: Table) -> Table:
-        t.cols["runtime_s"] = t["runtime_s"] * np.where(t["k"] >= 2048, 1.8, 1.0)
-        return t
 
     tm = TransferModel.fit(prior, features.concat([rows(held_card, 8, 450, 0.8, mixed),
                                                    slow_k(rows(slow, 24, 400, 0.8, mixed))]),

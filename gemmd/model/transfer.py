@@ -418,9 +418,11 @@ class TransferModel:
             beyond_prior = beyond_widening(target, tau, flags_prior[target], run)
             scale = self._row_scale(target, choice, t["kernel"],
                                     self.cv_scale.get(target, 1.0))
+            # the calibrated prior's factor: its own where it is not the chosen recipe
             held = set(self.meta.get("transfer", {}).get("held", {}).get(target, ()))
-            cal_scale = self._row_scale(target, "calibrated", t["kernel"], self._cv_record(
-                target, "calibrated").get("scale", 1.0)) if held else scale
+            cal_scale = scale if choice == "calibrated" else self._row_scale(
+                target, "calibrated", t["kernel"],
+                self._cv_record(target, "calibrated").get("scale", 1.0))
             for j, cal in enumerate(cals):
                 sel = t.device == j
                 if cal is None or target not in cal.level or not sel.any():
@@ -479,13 +481,10 @@ class TransferModel:
                     sd[idx[i]] = np.sqrt(rs[idx[i]] ** 2 + extra_sz[i]) * sc[idx[i]]
                     zrow[idx[i]] = q
                     idx, var, extra_sz = idx[~probed], var[~probed], extra_sz[~probed]
-                # the calibrated prior (its factor only where it is the chosen recipe)
-                c = sc[idx] if ch == "calibrated" else self._row_scale(
-                    target, "calibrated", t["kernel"][idx],
-                    self._cv_record(target, "calibrated").get("scale", 1.0))
+                # the calibrated prior
                 extra_sz = beyond_prior[idx] ** 2
                 onp[idx] = True
-                sd[idx] = np.sqrt(var + extra_sz) * c
+                sd[idx] = np.sqrt(var + extra_sz) * cal_scale[idx]
                 ug, gi = np.unique(groups[idx].astype(str), return_inverse=True)
                 zrow[idx] = np.array([_t_quantile(cal.t_dof(target, g), 0.5 + float(
                     self.meta.get("interval", 0.9)) / 2) for g in ug])[gi.ravel()]
