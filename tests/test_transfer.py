@@ -406,6 +406,56 @@ def test_a_held_card_is_served_as_the_calibrated_prior_whatever_the_recipe(prior
             assert not np.allclose(free["hi"][mine], plain["hi"][mine])  # the recipe differs
 
 
+def test_a_card_held_for_runtime_keeps_the_recipe_for_power(monkeypatch):
+    """A hold is per target: a card held for runtime only leaves the runtime trees, not
+    the power trees, and is served the chosen recipe for power, as if nothing were
+    held, and its runtime as the calibrated prior."""
+    second = dataclasses.replace(A100, uuid="GPU-second-a100")
+    mixed = ("bf16", "fp16")
+    prior_p = ForestModel.fit_table(with_power(rows(A100, 400, 0, 0.8, mixed), 1), CFG)
+    probes = with_power(features.concat([rows(A100, 24, 400, 0.8, mixed),
+                                         rows(second, 8, 450, 0.8, mixed)]), 2)
+    cv = TransferModel._cv.__func__
+
+    def held_for_runtime(cls, *args, **kwargs):
+        out, picked, _ = cv(cls, *args, **kwargs)
+        return out, dict.fromkeys(picked, "few"), {"runtime": [second.uuid]}
+
+    monkeypatch.setattr(TransferModel, "_cv", classmethod(held_for_runtime))
+    tm = TransferModel.fit(prior_p, probes, CFG)
+    assert tm.choice["runtime"] == tm.choice["power"] == "few"
+    assert tm.meta["transfer"]["held"] == {"runtime": [second.uuid]}
+    test = with_power(features.concat([rows(A100, 60, 498, 0.8, mixed),
+                                       rows(second, 60, 499, 0.8, mixed)]), 3)
+    X = features.table_matrix(test).astype(np.float32)
+    first = _fit_trees(probes.take(np.flatnonzero(probes.device == 0)), CFG, ["runtime"])
+    every = _fit_trees(probes, CFG, ["power"])
+    np.testing.assert_array_equal(tm.few["runtime"][0].predict(X),
+                                  first["runtime"][0].predict(X))
+    np.testing.assert_array_equal(tm.few["power"][0].predict(X), every["power"][0].predict(X))
+    mine = np.array([test.info(i).uuid == second.uuid for i in range(len(test))])
+
+    def serve(runtime: str, power: str) -> dict:
+        m = copy.copy(tm)
+        m.meta = copy.deepcopy(tm.meta)
+        m.meta["transfer"]["held"] = {}
+        m.choice = {**tm.choice, "runtime": runtime, "power": power}
+        m.cv_scale = {tg: tm._cv_record(tg, m.choice[tg])["scale"] for tg in tm.cv_scale}
+        m._flat = {}
+        return m.predict_table(test)
+
+    held, free = tm.predict_table(test), serve("few", "few")
+    plain = serve("calibrated", "few")  # (bounds.clip ties runtime to power)
+    for k in ("point", "lo", "hi"):
+        np.testing.assert_allclose(held["power"][k], free["power"][k], rtol=1e-12)
+        np.testing.assert_allclose(held["runtime"][k][mine], plain["runtime"][k][mine],
+                                   rtol=1e-9)
+        np.testing.assert_allclose(held["runtime"][k][~mine], free["runtime"][k][~mine],
+                                   rtol=1e-12)
+    calibrated = serve("calibrated", "calibrated")["power"]["point"][mine]
+    assert not np.allclose(free["power"]["point"][mine], calibrated)
+
+
 def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
     """A prior of one GPU model predicts a GPU it never saw by the roofline estimate (no
     evidence says more). Where that GPU runs as the prior's did (one harness, one GPU
