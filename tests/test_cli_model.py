@@ -536,3 +536,82 @@ def test_predict_and_advise_say_whose_measurement_they_predict(capsys, tmp_path)
     assert rc == 0 and "outside the training data" not in out
     rc, _, err = run(capsys, "predict", *gemm, "--dtype", "bf16", "--source", "a b")
     assert rc == 2 and err.count("\n") == 1 and "--source: 'a b' must be" in err
+
+
+def test_model_commands_refuse_what_they_could_only_answer_wrongly(capsys, env):
+    """A review's findings (issue 25's commands): an --out over the data or the store,
+    a file given twice, a dtype the GPU has no units for (predicted at a made-up 1
+    TFLOP/s), an ambiguous --device, --calibrate probes of another GPU, data that
+    measure nothing the model predicts: one line each, and nothing stored changes."""
+    tmp, f, sd = env
+    before = f.read_bytes()
+    rc, _, err = run(capsys, "fit", str(f), "--out", str(f), *sd)
+    assert rc == 2 and "one of the measurement files" in err and err.count("\n") == 1
+    assert f.read_bytes() == before  # the measurements are still there
+    assert run(capsys, "import", str(f), "--name", "lab", *sd)[0] == 0
+    db = tmp / "state" / "gemmd.db"
+    rc, _, err = run(capsys, "fit", "--source", "lab", "--out", str(db), *sd)
+    assert rc == 2 and "that is the store" in err
+    store = Store(db)
+    assert sum(c["n"] for c in store.counts()) == 90  # the store is intact
+    store.close()
+    rc, _, err = run(capsys, "fit", str(f), str(tmp / "." / f.name), "--out",
+                     str(tmp / "m.skops"), *sd)
+    assert rc == 1 and "given twice" in err and not (tmp / "m.skops").exists()
+    # a V100 has no bf16 units: no prediction at a made-up rate, none advised
+    v100 = ("--gpu", "v100-sxm2-16gb")
+    rc, _, err = run(capsys, "predict", "1024", "1024", "1024", "--dtype", "bf16", *v100, *sd)
+    assert rc == 2 and "Tesla V100-SXM2-16GB has no bf16 peak" in err
+    assert err.count("\n") == 1
+    rc, _, err = run(capsys, "advise", "1024", "1024", "1024", "--dtype", "bf16", *v100, *sd)
+    assert rc == 2 and "has no bf16 peak" in err
+    mixed = tmp / "mixed.csv"  # a model that knows bf16 and fp32 configurations
+    lines = f.read_text().splitlines()
+    mixed.write_text("\n".join([lines[0]] + [
+        ln.replace(",fp32,tiled,", ",bf16,blas," if i % 2 else ",fp32,tiled,")
+        for i, ln in enumerate(lines[1:])]) + "\n")
+    l4 = tmp / "l4.csv"
+    make_csv(l4, n=60, seed=9)
+    l4.write_text(l4.read_text().replace("rtx4070", "NVIDIA L4"))
+    model = tmp / "two.skops"
+    assert run(capsys, "fit", str(mixed), str(l4), "--out", str(model), *sd)[0] == 0
+    rc, out, err = run(capsys, "advise", "1024", "1024", "1024", "--model", str(model),
+                       *v100, "--json", *sd)
+    assert rc == 0, err
+    dtypes = {c["config"]["dtype"] for c in json.loads(out)["configurations"]}
+    assert dtypes == {"fp32"}  # (the tiled kernel computes in fp32: the V100 has its units)
+    # a model of two devices (both index 0): --device must say which
+    tiled = ("--dtype", "fp32", "--kernel", "tiled", "--tile", "8")
+    rc, _, err = run(capsys, "predict", "512", "512", "512", *tiled, "--model", str(model),
+                     "--device", "0", *sd)
+    assert rc == 2 and "matches several devices" in err and err.count("\n") == 1
+    rc, _, err = run(capsys, "predict", "512", "512", "512", *tiled, "--model", str(model),
+                     "--device", "ref-l4", *v100, *sd)
+    assert rc == 2 and "--gpu and --device: give one" in err
+    rc, out, err = run(capsys, "predict", "512", "512", "512", *tiled, "--model", str(model),
+                       "--device", "ref-l4", *sd)
+    assert rc == 0 and "NVIDIA L4" in out, err
+    # evaluate: probes of another GPU, data without a target the model predicts
+    rc, _, err = run(capsys, "evaluate", "--model", str(model), "--calibrate", str(f), str(l4),
+                     *sd)
+    assert rc == 1 and err.count("\n") == 1 and \
+        "its devices (NVIDIA GeForce RTX 4070) are none of the data's (NVIDIA L4)" in err
+    power = tmp / "power.csv"
+    power.write_text("gpu,m,n,k,dtype,kernel,tile,power_w\nrtx4070,512,512,512,fp32,tiled,8,100\n")
+    model_rt = tmp / "runtime-only.skops"
+    runtime_only = tmp / "rt.csv"
+    runtime_only.write_text("\n".join(ln.rsplit(",", 1)[0] for ln in lines) + "\n")
+    assert run(capsys, "fit", str(runtime_only), "--out", str(model_rt), *sd)[0] == 0
+    rc, _, err = run(capsys, "evaluate", "--model", str(model_rt), str(power), *sd)
+    assert rc == 1 and "the data measure power, the model predicts runtime" in err
+    # strict JSON: the R² of one row is no number (null, not NaN)
+    one = tmp / "one.csv"
+    one.write_text("\n".join(lines[:2]) + "\n")
+    rc, out, err = run(capsys, "evaluate", "--model", str(model), str(one), "--json", *sd)
+    assert rc == 0, err
+
+    def refuse(c: str) -> None:
+        raise AssertionError(f"bare {c} in JSON")
+
+    res = json.loads(out, parse_constant=refuse)
+    assert res["splits"]["model"]["gemmd"]["targets"]["runtime"]["r2"] is None

@@ -8,12 +8,12 @@ source name (the daemon's probes are source "daemon"; imports are named).
 from __future__ import annotations
 
 import argparse
-import json
+from pathlib import Path
 from typing import Any
 
 from gemmd.cli.args import UsageError, data_options, int_range, model_out, path_arg
-from gemmd.cli.context import gpu_catalog, load_config, load_dataset, open_store
-from gemmd.cli.output import Progress, json_default, num, pct, print_table
+from gemmd.cli.context import gpu_catalog, load_config, load_dataset, open_store, store_path
+from gemmd.cli.output import Progress, json_text, num, pct, print_table
 from gemmd.errors import InputError
 
 # ------------------------------------------------------------------ fit, evaluate
@@ -26,6 +26,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise UsageError("fitting on files needs --out FILE (the daemon's registry only "
                          "takes models fitted on the store)")
     cfg = load_config(args)
+    if args.out:
+        _not_an_input(Path(args.out), [Path(f) for f in args.files], store_path(cfg))
     ds = load_dataset(args, cfg)
     bar = Progress(len(TARGETS), "fitting")
     try:
@@ -59,6 +61,25 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _not_an_input(out: Path, files: list[Path], db: Path) -> None:
+    """Refuse an --out that would overwrite what the command reads: one of its measurement
+    files, or the store (its database and journal files)."""
+    def same(a: Path, b: Path) -> bool:
+        try:
+            return a.exists() and b.exists() and a.samefile(b)
+        except OSError:
+            return False
+
+    for f in files:
+        if same(out, f):
+            raise UsageError(f"--out {out}: that is one of the measurement files "
+                             "(the model would overwrite them)")
+    for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        if same(out, f):
+            raise UsageError(f"--out {out}: that is the store ({db}); the model would "
+                             "overwrite it")
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from gemmd import evaluate
 
@@ -82,10 +103,40 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         bar.close()
     res = {"dataset": ds.name, "files": ds.paths, "notes": ds.notes, **res}
     if args.json:
-        print(json.dumps(res, indent=1, default=json_default))
+        print(json_text(res))
         return 0
     print_evaluation(res)
     return 0
+
+
+def _judgeable(model: Any, t: Any, name: str, cal: Any) -> None:
+    """Refuse what evaluate --model could only answer with an empty table or a
+    calibration that changes nothing: data that measure none of the model's targets, and
+    --calibrate probes of devices (uuid or GPU model) none of the data's."""
+    import numpy as np
+
+    from gemmd.gemm import COLUMN, TARGETS
+    from gemmd.hardware import gpu_model_key
+
+    predicted = [tg for tg in TARGETS if tg in model.forests or
+                 tg in model.meta.get("derived", {})]
+    if not any(np.isfinite(t[COLUMN[tg]]).any() for tg in predicted):
+        measured = [tg for tg in TARGETS if np.isfinite(t[COLUMN[tg]]).any()]
+        raise InputError(f"{name}: the data measure {', '.join(measured) or 'nothing'}, the "
+                         f"model predicts {', '.join(predicted)}: nothing to judge")
+    if cal is None:
+        return
+
+    def ids(table: Any) -> set[str]:
+        return {d.uuid for d in table.devices} | {gpu_model_key(d) for d in table.devices}
+
+    def names(table: Any) -> str:
+        return ", ".join(sorted({d.name for d in table.devices}))
+
+    if not ids(cal) & ids(t):
+        raise InputError(f"--calibrate: its devices ({names(cal)}) are none of the data's "
+                         f"({names(t)}): a calibration carries the model over to the device "
+                         "it measured")
 
 
 def _evaluate_model(args: argparse.Namespace) -> int:
@@ -112,6 +163,7 @@ def _evaluate_model(args: argparse.Namespace) -> int:
     if args.calibrate:
         cal = datasets.load("auto", args.calibrate, gpu=args.gpu,
                             catalog=gpu_catalog(args.gpu_spec)[0]).table
+    _judgeable(model, ds.table, ", ".join(map(str, ds.paths)) or ds.name, cal)
     seeds = args.seeds or 1
     bar = Progress(1 + (cal is not None) + len(args.calibrate_rows) * seeds, "evaluating")
     try:
@@ -123,7 +175,7 @@ def _evaluate_model(args: argparse.Namespace) -> int:
     res = {"dataset": ds.name, "files": ds.paths, "notes": ds.notes,
            "model_file": str(args.model), **res}
     if args.json:
-        print(json.dumps(res, indent=1, default=json_default))
+        print(json_text(res))
         return 0
     print_model_evaluation(res)
     return 0

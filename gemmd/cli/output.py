@@ -3,6 +3,7 @@ progress bar. "-" stands for a value that is missing (None) or not finite."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -63,6 +64,25 @@ def json_default(v: Any) -> Any:
     if isinstance(v, (np.floating, np.integer)):
         return v.item()
     return str(v)
+
+
+def json_text(obj: Any, default: Any = json_default) -> str:
+    """``obj`` as strict JSON (indented): a number that is not finite (an R² of one row,
+    a missing figure) as null, never the bare NaN or Infinity that JSON parsers refuse."""
+    import numpy as np
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, (float, np.floating)):
+            return float(v) if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, np.ndarray):
+            return clean(v.tolist())
+        return v
+
+    return json.dumps(clean(obj), indent=1, default=default, allow_nan=False)
 
 
 class Progress:

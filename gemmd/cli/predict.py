@@ -8,7 +8,6 @@ fitted model, else the roofline estimate, said as such; or ``--model FILE``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from gemmd.cli.args import (
     path_arg,
 )
 from gemmd.cli.context import gpu_catalog, load_config, no_store, open_store, store_path
-from gemmd.cli.output import fmt_value, print_table
+from gemmd.cli.output import fmt_value, json_text, print_table
 from gemmd.config import Config
 from gemmd.errors import GemmdError
 from gemmd.gemm import COLUMN
@@ -155,6 +154,9 @@ def _device(args: argparse.Namespace, pred: Predictor) -> DeviceInfo:
     from gemmd.datasets import known_gpu, known_gpu_names
     from gemmd.model import RooflinePredictor
 
+    if args.gpu and args.device:
+        raise UsageError("--gpu and --device: give one (--gpu names a GPU model, --device "
+                         "one of the model's or the store's devices)")
     if args.gpu:
         info = known_gpu(args.gpu, pred.catalog)
         if info is None:
@@ -170,10 +172,20 @@ def _device(args: argparse.Namespace, pred: Predictor) -> DeviceInfo:
         return spec
     trained = [] if isinstance(pred.model, RooflinePredictor) else pred.model.device_infos()
     if args.device:
+        known: list[DeviceInfo] = []  # each uuid once, the model's record first
         for d in trained + pred.store_devices:
-            if d.uuid.startswith(args.device) or str(d.index) == args.device:
-                return d
-        raise UsageError(f"no device {args.device!r} in the model or the store")
+            if all(d.uuid != k.uuid for k in known):
+                known.append(d)
+        exact = [d for d in known if d.uuid == args.device]
+        found = exact or [d for d in known if d.uuid.startswith(args.device)
+                          or str(d.index) == args.device]
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise UsageError(f"no device {args.device!r} in the model or the store")
+        names = ", ".join(f"{d.uuid} ({d.name})" for d in found)
+        raise UsageError(f"--device {args.device!r} matches several devices: {names}; give "
+                         "more of its uuid")
     if len(trained) == 1:
         return trained[0]
     if not pred.roofline:
@@ -202,11 +214,30 @@ def _row(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def _has_peak(info: DeviceInfo, row: dict[str, Any]) -> bool:
+    """Whether ``info`` has a peak rate for the dtype ``row``'s kernel computes in (the
+    tiled kernel: fp32), as import asks of every row; devices whose figures are estimates
+    (the CPU backend) are not held to it. Without one, the roofline would be at a made-up
+    1 TFLOP/s (a V100's bf16 at 0.7 TFLOP/s)."""
+    from gemmd.bounds import UNBOUNDED_BACKENDS
+
+    d = "fp32" if row.get("kernel") == "tiled" else str(row.get("dtype"))
+    return info.backend in UNBOUNDED_BACKENDS or bool(info.peak_flops.get(d))
+
+
+def _no_peak(info: DeviceInfo, dtype: str) -> UsageError:
+    return UsageError(f"{info.name} has no {dtype} peak (the catalogue "
+                      f"knows none: no {dtype} units?); if it has, describe it with "
+                      f"--gpu-spec FILE (peak_{dtype}_tflops)")
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     pred = _predictor(args, cfg)
     info = _device(args, pred)
     row = _row(args)
+    if not _has_peak(info, row):
+        raise _no_peak(info, "fp32" if row["kernel"] == "tiled" else row["dtype"])
     if args.source:
         row["source"] = args.source
     t0 = time.perf_counter()
@@ -226,7 +257,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         "predict_seconds": dt, "in_domain": in_domain, "domain": domain,
         **{COLUMN[t]: v for t, v in per.items()}}
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json_text(out))
         return 0
     interval = "" if pred.roofline else \
         f", {100 * pred.model.meta.get('interval', 0.9):.0f}% interval"
@@ -308,6 +339,10 @@ def cmd_advise(args: argparse.Namespace) -> int:
     pred = _predictor(args, cfg)
     info = _device(args, pred)
     configs, borrowed = _configs(args, pred, info)
+    if args.dtype and configs and not any(_has_peak(info, c) for c in configs):
+        raise _no_peak(info, args.dtype)
+    # a dtype this GPU has no units for is no advice (its roofline would be made up)
+    configs = [c for c in configs if _has_peak(info, c)]
     if not configs:
         which = f" for {args.dtype}" if args.dtype else ""
         raise GemmdError(f"{pred.what} knows no configuration{which} on {info.name}")
@@ -329,15 +364,14 @@ def cmd_advise(args: argparse.Namespace) -> int:
     frugal = int(np.nanargmin(en)) if np.isfinite(en).any() else None
     ranked = sorted(range(len(rows)), key=lambda i: rt[i])
     if args.json:
-        print(json.dumps({"gemm": [args.m, args.n, args.k], "device": info.name,
+        print(json_text({"gemm": [args.m, args.n, args.k], "device": info.name,
                           "model": pred.version, "model_kind": pred.model.kind,
                           "in_domain": bool(dom.all()), "domain": reason,
                           "configurations_from_other_gpus": borrowed,
                           "fastest": _advice(rows[fastest], rt, pw, en, fastest),
                           "most_energy_efficient": None if frugal is None else
                           _advice(rows[frugal], rt, pw, en, frugal),
-                          "configurations": [_advice(rows[i], rt, pw, en, i) for i in ranked]},
-                         indent=1))
+                          "configurations": [_advice(rows[i], rt, pw, en, i) for i in ranked]}))
         return 0
     what = "known configurations" if not pred.roofline else \
         "dtypes" if len(rows) > 1 else "dtype"

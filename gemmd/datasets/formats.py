@@ -57,6 +57,16 @@ def load(fmt: str, paths: Sequence[str | Path], gpu: str | None = None,
     catalogue plus --gpu-spec GPUs) is what GPU names are looked up in."""
     if not paths:
         raise InputError("no input file given")
+    seen: dict[tuple[int, int] | str, str | Path] = {}
+    for p in paths:  # the same file twice would count its measurements twice
+        try:
+            st = Path(p).stat()
+            key: tuple[int, int] | str = (st.st_dev, st.st_ino)
+        except OSError:
+            key = str(p)  # (the format's reader names what is wrong with it)
+        if key in seen:
+            raise InputError(f"{p}: given twice (as {seen[key]}); its rows would count twice")
+        seen[key] = p
     parts = []
     for p in paths:
         name = detect_format(p) if fmt == "auto" else fmt
