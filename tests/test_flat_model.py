@@ -200,6 +200,49 @@ def test_a_forged_or_damaged_flat_file_is_refused_naming_it(tmp_path, fitted):
         ForestModel.load(bad)
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h.update(z=-1.6), "its z"),  # printed intervals upside down
+    (lambda h: h.update(z=1e300), "its z"),  # an infinite top
+    (lambda h: h.update(sigma={**h["sigma"], "runtime": 1e300}), "its sigma"),  # overflow
+    (lambda h: h["meta"].update(interval=5), "its interval"),  # "500% interval"
+    (lambda h: h["meta"].update(interval="x"), "its interval"),
+    (lambda h: h["meta"].update(interval_scale={"runtime": float("nan")}), "interval_scale"),
+    (lambda h: h["meta"].update(interval_scale="x"), "interval_scale"),
+    (lambda h: h["meta"].update(ood_sd="x"), "ood_sd"),
+    (lambda h: h["meta"].update(interval_noise_floor={"runtime": "x"}), "noise_floor"),
+    (lambda h: h["meta"].update(domain_targets="x"), "domain_targets"),
+    (lambda h: h["meta"].update(repeats="x"), "repeats"),
+    (lambda h: h["meta"].update(roofline_efficiency=-1), "roofline_efficiency"),
+    (lambda h: h["meta"]["devices"][0]["peak_flops"].update(fp16=-1.0), "devices\\[0\\]"),
+    (lambda h: h["meta"]["devices"][0]["peak_flops"].update(fp16="x"), "devices\\[0\\]"),
+    (lambda h: h["meta"]["devices"][0].pop("name"), "devices\\[0\\]"),
+    (lambda h: h["meta"]["devices"][0].update(bogus=1), "devices\\[0\\]"),
+    (lambda h: h["meta"].update(devices="x"), "its devices"),
+    (lambda h: h["meta"].update(configs="x"), "its configs"),
+    (lambda h: h["meta"].update(configs=[{"device": 1}]), "its configs"),
+    (lambda h: h["meta"].update(shapes="!!!notbase64"), "its shapes"),
+    (lambda h: h["meta"].update(reference_shapes=[[0, 0]]), "reference_shapes"),
+    (lambda h: h["meta"]["domain_targets"].update(runtime={"gpus": "x"}), "do not predict"),
+])
+def test_a_model_file_whose_metadata_were_edited_is_refused_naming_it(tmp_path, fitted,
+                                                                       edit, match):
+    """What predictions read from the metadata, of the type and range gemmd writes
+    (check_meta), and one prediction per device at load (_self_check): an edited field
+    gave tracebacks, upside-down or infinite intervals and an H100 at 3,980 TFLOP/s
+    (a fuzz of the CLI, the nineteenth session). Refused with one line naming the file,
+    in the daemon's registry as on the command line."""
+    _, path, _ = fitted
+    good = _members(path)
+    head = json.loads(good[FLAT_HEAD])
+    edit(head)
+    bad = tmp_path / "edited.skops"
+    _rewrite(bad, {**good, FLAT_HEAD: json.dumps(head)})
+    with pytest.raises(ModelError, match=match) as e:
+        ForestModel.load(bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    ForestModel.load(path)  # (the file as written loads)
+
+
 def test_write_flat_round_trips_every_array(tmp_path, fitted):
     model, path, _ = fitted
     loaded = ForestModel.load(path)

@@ -56,6 +56,7 @@ from gemmd.model.persistence import (
     _device_meta,
     _plain,
     check_format,
+    check_meta,
     is_flat,
     read_flat,
     write_flat,
@@ -490,7 +491,7 @@ class ForestModel:
                              "(tampered with or truncated)")
         if is_flat(path):
             try:
-                return cls(*read_flat(path))
+                return cls(*read_flat(path))._self_check(path)
             except ModelError:
                 raise
             except Exception as e:  # zipfile/numpy/json raise many types on a corrupt file
@@ -512,7 +513,44 @@ class ForestModel:
             raise ModelError(f"model file {path} cannot be read: {type(e).__name__}: {e}") from e
         check_format(meta, path)
         _check_forests(payload, path)
-        return cls(payload["forests"], dict(payload["sigma"]), float(payload["z"]), meta)
+        check_meta(meta, payload["sigma"], payload["z"], path)
+        return cls(payload["forests"], dict(payload["sigma"]), float(payload["z"]),
+                   meta)._self_check(path)
+
+    def _self_check(self, path: Path) -> ForestModel:
+        """One prediction on each device the model knows (its first configuration there)
+        and on a GPU it never saw: what an edited or damaged field breaks beyond
+        check_meta's types shows here, as one line naming the file, not at the daemon's
+        first probe or as a traceback."""
+        import dataclasses
+
+        infos = self.device_infos()[:8]
+        if infos:
+            infos.append(dataclasses.replace(infos[0], uuid="self-check",
+                                             name="self-check GPU", extra={}))
+        configs = self.meta.get("configs") or []
+        rows, used = [], []
+        for info in infos:
+            c = next((c for c in configs if c["device"] == info.uuid), None) or \
+                (configs[0] if configs else {"dtype": "fp32", "kernel": "blas"})
+            rows.append({**{k: v for k, v in c.items() if k != "device"},
+                         "m": 1024, "n": 1024, "k": 1024})
+            used.append(info)
+        if not rows:
+            return self
+        try:
+            res = self.predict_table(Table.from_rows(rows, used))
+            ok = all(np.all(np.isfinite(r[k])) and np.all(r[k] > 0) for r in res.values()
+                     for k in ("point", "lo", "hi")) and all(
+                np.all(r["lo"] <= r["point"] * (1 + 1e-9)) and
+                np.all(r["point"] <= r["hi"] * (1 + 1e-9)) for r in res.values())
+        except Exception as e:  # whatever a damaged field raises
+            raise ModelError(f"model file {path}: its metadata do not predict "
+                             f"({type(e).__name__}: {e}); edited or damaged? refit it") from e
+        if not ok:
+            raise ModelError(f"model file {path}: its metadata predict no finite, ordered "
+                             "interval; edited or damaged? refit it")
+        return self
 
     def device_infos(self) -> list[DeviceInfo]:
         """The devices the model was trained on (from its metadata)."""

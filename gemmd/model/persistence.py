@@ -18,6 +18,7 @@ import math
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,15 @@ from gemmd.features import Table
 from gemmd.gemm import TARGETS
 from gemmd.model.flat import ARRAYS, NODE_ARRAYS, _FlatForest
 from gemmd.modelfile import archive_problem
+from gemmd.records import DeviceInfo
 
 # Bumped whenever features or target spaces change: older files are refused, not misread.
 # 3: datasheet peaks from the GPU catalogue, calibrated intervals and the training domain.
 # 4: the domain per target, validated transfer and extrapolation (meta "logo", "ood_sd").
 MODEL_FORMAT = 4
+# The most a log-space noise sd in a model file may be (a factor of e^10 for one sd):
+# beyond it a file was edited (1e300 overflowed every interval).
+SIGMA_MAX = 10.0
 
 
 # The only types a model file may contain; anything else is refused before loading.
@@ -259,12 +264,114 @@ def read_flat(path: Path) -> tuple[dict[str, _FlatForest], dict[str, float], flo
                 raise _bad(path, f"the {target} forest: {e}") from None
     sigma, z = head["sigma"], head["z"]
     _check_intervals(forests, sigma, z, path)
+    check_meta(meta, sigma, z, path)
     return forests, dict(sigma), float(z), meta
+
+
+def _number(v: Any, lo: float = 0.0, hi: float = math.inf, open_lo: bool = False) -> bool:
+    """A JSON number (not a bool) within [lo, hi] ((lo, hi] with ``open_lo``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return (v > lo if open_lo else v >= lo) and v <= hi
+
+
+def _numbers(v: Any, depth: int = 2) -> bool:
+    """A dict (nested ``depth`` deep at most) whose leaves are finite numbers >= 0."""
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        return False
+    return all(_number(x) or (depth > 1 and _numbers(x, depth - 1)) for x in v.values())
+
+
+def _hashes(raw: Any, size: int = 8) -> int | None:
+    """How many ``size``-byte values the base64 text ``raw`` holds; None if it is not
+    such a text."""
+    import base64
+    import binascii
+
+    if not isinstance(raw, str):
+        return None
+    try:
+        n = len(base64.b64decode(raw, validate=True))
+    except (binascii.Error, ValueError):
+        return None
+    return n // size if n % size == 0 else None
+
+
+def _device_problem(d: Any) -> str | None:
+    if not isinstance(d, dict):
+        return "not a record"
+    try:
+        info = DeviceInfo(**d)
+    except TypeError as e:
+        return str(e)
+    peaks = info.peak_flops
+    if not isinstance(info.uuid, str) or not isinstance(info.name, str) or \
+            not isinstance(peaks, dict) or not all(
+                isinstance(k, str) and _number(v, open_lo=True) for k, v in peaks.items()):
+        return "its uuid, name or peak rates"
+    for k in ("mem_bandwidth", "power_limit_w", "sm_count", "memory_bytes"):
+        v = getattr(info, k)
+        if v is not None and not _number(v):
+            return k
+    if not isinstance(info.extra, dict) or type(info.index) is not int:
+        return "its index or extra"
+    return None
+
+
+def check_meta(meta: Mapping[str, Any], sigma: Mapping[str, float], z: float, path: Path
+               ) -> None:
+    """The metadata a prediction reads, each field of the type and range gemmd writes: a
+    file edited by hand (a z of -1.6 printed intervals upside down, a bf16 peak of -1 an
+    H100 at 3,980 TFLOP/s, a string where a scale belongs a traceback) is refused with a
+    line naming the field. Fields a model of an older gemmd lacks may be absent."""
+    def bad(field: str) -> ModelError:
+        return ModelError(f"model file {path}: its {field} is not what gemmd writes "
+                          "(edited or damaged); refit it")
+
+    interval = meta.get("interval", 0.9)
+    if not _number(interval, 0.0, 1.0, open_lo=True) or interval >= 1.0:
+        raise bad("interval")
+    if abs(z - NormalDist().inv_cdf(0.5 + interval / 2)) > 1e-6:
+        raise bad("z (not the interval's)")
+    if not all(_number(v, 0.0, SIGMA_MAX) for v in sigma.values()):
+        raise bad("sigma")
+    for field in ("interval_scale", "interval_scale_shape", "ood_sd", "interval_noise_floor",
+                  "interval_noise_floor_group"):
+        if field in meta and not _numbers(meta[field]):
+            raise bad(field)
+    if not _number(meta.get("roofline_efficiency", 0.7), 0.0, 1.0, open_lo=True):
+        raise bad("roofline_efficiency")
+    for field in ("domain", "domain_targets", "logo", "repeats", "derived", "scores"):
+        if field in meta and not isinstance(meta[field], dict):
+            raise bad(field)
+    if meta.get("shapes") and _hashes(meta["shapes"]) is None:
+        raise bad("shapes")
+    for target, rec in (meta.get("repeats") or {}).items():
+        if rec and (not isinstance(rec, dict) or (keys := _hashes(rec.get("keys"))) is None
+                    or (sd := _hashes(rec.get("sd"), 4)) is None or keys != sd):
+            raise bad(f"repeats ({target})")
+    ref = meta.get("reference_shapes", [])
+    if not isinstance(ref, list) or not all(
+            isinstance(r, list) and len(r) == 4 and all(_number(x, 1.0) for x in r)
+            for r in ref):
+        raise bad("reference_shapes")
+    devices = meta.get("devices", [])
+    if not isinstance(devices, list):
+        raise bad("devices")
+    for i, d in enumerate(devices):
+        if (why := _device_problem(d)) is not None:
+            raise bad(f"devices[{i}] ({why})")
+    for field in ("configs", "probe_configs"):
+        recs = meta.get(field, [])
+        if not isinstance(recs, list) or not all(
+                isinstance(c, dict) and all(isinstance(c.get(k), str) for k in (
+                    "device", "dtype", "kernel")) for c in recs):
+            raise bad(field)
 
 
 def check_format(meta: Mapping[str, Any], path: Path) -> None:
     """A model of another format (features or target spaces changed) is refused."""
     if meta.get("format") != MODEL_FORMAT or meta.get("features") != list(features.FEATURES):
         raise ModelError(f"model file {path} was fitted by another gemmd version (model "
-                         f"format {meta.get('format', 1)}, this gemmd reads "
+                         f"format {meta.get('format', 1)!r}, this gemmd reads "
                          f"{MODEL_FORMAT}); refit it")
