@@ -604,6 +604,14 @@ def test_model_commands_refuse_what_they_could_only_answer_wrongly(capsys, env):
     assert run(capsys, "fit", str(runtime_only), "--out", str(model_rt), *sd)[0] == 0
     rc, _, err = run(capsys, "evaluate", "--model", str(model_rt), str(power), *sd)
     assert rc == 1 and "the data measure power, the model predicts runtime" in err
+    rc, _, err = run(capsys, "predict", "8", "8", "8", "--dtype", "fp32", "--model", str(tmp),
+                     *v100, *sd)
+    assert rc == 1 and f"model file {tmp} is not a regular file" in err  # (not "missing")
+    # configurations that differ only in what they write are told apart in advise's table
+    from gemmd.cli.predict import _describe
+
+    assert _describe({"dtype": "fp8", "kernel": "blas", "layout": "nn",
+                      "out_dtype": "bf16"}) == "fp8 blas nn -> bf16"
     # strict JSON: the R² of one row is no number (null, not NaN)
     one = tmp / "one.csv"
     one.write_text("\n".join(lines[:2]) + "\n")

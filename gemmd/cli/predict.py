@@ -303,6 +303,8 @@ def _describe(row: dict[str, Any]) -> str:
     if row.get("cta_m"):
         parts.append(f"cta {row['cta_m']}x{row['cta_n']}x{row['cta_k']}")
     parts.append(str(row["layout"]))
+    if row.get("out_dtype"):  # (fp8 GEMMs of one layout differ by what they write)
+        parts.append(f"-> {row['out_dtype']}")
     if row.get("batch", 1) != 1:
         parts.append(f"batch {row['batch']}")
     return " ".join(parts)

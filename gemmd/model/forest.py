@@ -485,7 +485,8 @@ class ForestModel:
         with trusted types only."""
         path = Path(path)
         if not path.is_file():
-            raise ModelError(f"model file {path} does not exist")
+            raise ModelError(f"model file {path} " + ("is not a regular file" if path.exists()
+                                                      else "does not exist"))
         if sha256 and file_sha256(path) != sha256:
             raise ModelError(f"model file {path} does not match its recorded checksum "
                              "(tampered with or truncated)")
