@@ -228,7 +228,7 @@ def test_a_model_file_whose_metadata_were_edited_is_refused_naming_it(tmp_path, 
                                                                        edit, match):
     """What predictions read from the metadata, of the type and range gemmd writes
     (check_meta), and one prediction per device at load (_self_check): an edited field
-    gave tracebacks, upside-down or infinite intervals and an H100 at 3,980 TFLOP/s
+    gave tracebacks, upside-down or infinite intervals, a prediction from a NaN feature
     (a fuzz of the CLI, the nineteenth session). Refused with one line naming the file,
     in the daemon's registry as on the command line."""
     _, path, _ = fitted
