@@ -555,6 +555,14 @@ def test_model_commands_refuse_what_they_could_only_answer_wrongly(capsys, env):
     store = Store(db)
     assert sum(c["n"] for c in store.counts()) == 90  # the store is intact
     store.close()
+    spec, conf = tmp / "lab.yaml", tmp / "gemmd.yaml"  # other files gemmd reads
+    spec.write_text("- name: Lab GPU\n  base: l4\n")
+    conf.write_text(f"state_dir: {tmp / 'state'}\n")
+    for argv, what in ((["--gpu-spec", str(spec), "--out", str(spec)], "a --gpu-spec file"),
+                       (["-c", str(conf), "--out", str(conf)], "the configuration")):
+        kept = Path(argv[-1]).read_bytes()
+        rc, _, err = run(capsys, "fit", str(f), *argv, *sd)
+        assert rc == 2 and what in err and Path(argv[-1]).read_bytes() == kept, err
     rc, _, err = run(capsys, "fit", str(f), str(tmp / "." / f.name), "--out",
                      str(tmp / "m.skops"), *sd)
     assert rc == 1 and "given twice" in err and not (tmp / "m.skops").exists()
@@ -595,7 +603,8 @@ def test_model_commands_refuse_what_they_could_only_answer_wrongly(capsys, env):
     rc, _, err = run(capsys, "evaluate", "--model", str(model), "--calibrate", str(f), str(l4),
                      *sd)
     assert rc == 1 and err.count("\n") == 1 and \
-        "its devices (NVIDIA GeForce RTX 4070) are none of the data's (NVIDIA L4)" in err
+        "its devices (NVIDIA GeForce RTX 4070 [rtx4070]) are none of the data's (NVIDIA L4 " \
+        "[l4])" in err
     power = tmp / "power.csv"
     power.write_text("gpu,m,n,k,dtype,kernel,tile,power_w\nrtx4070,512,512,512,fp32,tiled,8,100\n")
     model_rt = tmp / "runtime-only.skops"
@@ -612,6 +621,11 @@ def test_model_commands_refuse_what_they_could_only_answer_wrongly(capsys, env):
 
     assert _describe({"dtype": "fp8", "kernel": "blas", "layout": "nn",
                       "out_dtype": "bf16"}) == "fp8 blas nn -> bf16"
+    # the registry's active model: overwritten, the daemon would lose it
+    assert run(capsys, "fit", "--source", "lab", *sd)[0] == 0  # into the registry
+    active = next((tmp / "state" / "models").glob("*.skops"))
+    rc, _, err = run(capsys, "fit", str(f), "--out", str(active), *sd)
+    assert rc == 2 and "in the model registry" in err
     # strict JSON: the R² of one row is no number (null, not NaN)
     one = tmp / "one.csv"
     one.write_text("\n".join(lines[:2]) + "\n")
@@ -623,3 +637,20 @@ def test_model_commands_refuse_what_they_could_only_answer_wrongly(capsys, env):
 
     res = json.loads(out, parse_constant=refuse)
     assert res["splits"]["model"]["gemmd"]["targets"]["runtime"]["r2"] is None
+
+
+def test_a_file_fit_needs_no_state_directory(capsys, env, monkeypatch):
+    """fit FILE --out M reads no store: where the state directory cannot be resolved (no
+    HOME, XDG_STATE_HOME or STATE_DIRECTORY, a uid without a passwd entry), it still fits
+    (a review found the --out check resolving it first: a traceback)."""
+    tmp, f, _ = env
+    for var in ("HOME", "XDG_STATE_HOME", "STATE_DIRECTORY", "GEMMD_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.chdir(tmp)
+    rc, out, err = run(capsys, "fit", str(f), "--out", str(tmp / "m.skops"))
+    assert rc == 0 and (tmp / "m.skops").is_file(), err

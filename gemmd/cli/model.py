@@ -27,7 +27,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
                          "takes models fitted on the store)")
     cfg = load_config(args)
     if args.out:
-        _not_an_input(Path(args.out), [Path(f) for f in args.files], store_path(cfg))
+        _not_an_input(Path(args.out), args, cfg)
     ds = load_dataset(args, cfg)
     bar = Progress(len(TARGETS), "fitting")
     try:
@@ -61,23 +61,35 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_an_input(out: Path, files: list[Path], db: Path) -> None:
-    """Refuse an --out that would overwrite what the command reads: one of its measurement
-    files, or the store (its database and journal files)."""
+def _not_an_input(out: Path, args: argparse.Namespace, cfg: Any) -> None:
+    """Refuse an --out that would overwrite what gemmd reads: a measurement file, a
+    --gpu-spec file, the configuration, the store (its database and journal files) or
+    the model registry's directory (the active model's file, whose checksum the registry
+    keeps: overwritten, the daemon would fall back to the roofline)."""
     def same(a: Path, b: Path) -> bool:
         try:
             return a.exists() and b.exists() and a.samefile(b)
         except OSError:
             return False
 
-    for f in files:
-        if same(out, f):
-            raise UsageError(f"--out {out}: that is one of the measurement files "
-                             "(the model would overwrite them)")
-    for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
-        if same(out, f):
-            raise UsageError(f"--out {out}: that is the store ({db}); the model would "
-                             "overwrite it")
+    inputs = [(f, "one of the measurement files") for f in args.files] + \
+        [(f, "a --gpu-spec file") for f in args.gpu_spec] + \
+        ([(args.config, "the configuration")] if args.config else [])
+    try:  # (a file fit needs no state directory: one that cannot be resolved is no input)
+        state: Path | None = cfg.resolved_state_dir()
+    except (RuntimeError, KeyError, OSError):
+        state = None
+    if state is not None:
+        db = store_path(cfg)
+        inputs += [(f, f"the store ({db})") for f in (
+            db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm"))]
+    for f, what in inputs:
+        if same(out, Path(f)):
+            raise UsageError(f"--out {out}: that is {what}; the model would overwrite it")
+    models = state / "models" if state is not None else None
+    if models is not None and models.is_dir() and out.resolve().parent == models.resolve():
+        raise UsageError(f"--out {out}: that is in the model registry ({models}), which "
+                         "gemmd fit without --out writes to; choose another place")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -130,8 +142,8 @@ def _judgeable(model: Any, t: Any, name: str, cal: Any) -> None:
     def ids(table: Any) -> set[str]:
         return {d.uuid for d in table.devices} | {gpu_model_key(d) for d in table.devices}
 
-    def names(table: Any) -> str:
-        return ", ".join(sorted({d.name for d in table.devices}))
+    def names(table: Any) -> str:  # (with the key: two GPUs of one name may differ)
+        return ", ".join(sorted({f"{d.name} [{gpu_model_key(d)}]" for d in table.devices}))
 
     if not ids(cal) & ids(t):
         raise InputError(f"--calibrate: its devices ({names(cal)}) are none of the data's "

@@ -323,7 +323,8 @@ def check_meta(meta: Mapping[str, Any], sigma: Mapping[str, float], z: float, pa
     """The metadata a prediction reads, each field of the type and range gemmd writes: a
     file edited by hand (a z of -1.6 printed intervals upside down, a bf16 peak of -1 a
     numpy warning and a prediction from a NaN feature, a string where a scale belongs a
-    traceback) is refused with a line naming the field. Fields a model of an older gemmd lacks may be absent."""
+    traceback) is refused with a line naming the field. Fields a model of an older gemmd
+    lacks may be absent."""
     def bad(field: str) -> ModelError:
         return ModelError(f"model file {path}: its {field} is not what gemmd writes "
                           "(edited or damaged); refit it")
