@@ -530,17 +530,16 @@ class ForestModel:
             infos.append(dataclasses.replace(infos[0], uuid="self-check",
                                              name="self-check GPU", extra={}))
         configs = self.meta.get("configs") or []
-        rows, used = [], []
+        rows = []
         for info in infos:
             c = next((c for c in configs if c["device"] == info.uuid), None) or \
                 (configs[0] if configs else {"dtype": "fp32", "kernel": "blas"})
             rows.append({**{k: v for k, v in c.items() if k != "device"},
                          "m": 1024, "n": 1024, "k": 1024})
-            used.append(info)
         if not rows:
             return self
         try:
-            res = self.predict_table(Table.from_rows(rows, used))
+            res = self.predict_table(Table.from_rows(rows, infos))
             ok = all(np.all(np.isfinite(r[k])) and np.all(r[k] > 0) for r in res.values()
                      for k in ("point", "lo", "hi")) and all(
                 np.all(r["lo"] <= r["point"] * (1 + 1e-9)) and
