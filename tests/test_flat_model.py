@@ -243,6 +243,20 @@ def test_a_model_file_whose_metadata_were_edited_is_refused_naming_it(tmp_path, 
     ForestModel.load(path)  # (the file as written loads)
 
 
+def test_a_model_whose_device_has_unknown_figures_still_loads(tmp_path, fitted):
+    """A peak of 0 and no bandwidth are how a device record says 'not known' (a GPU whose
+    clock NVML did not give): the daemon's own refit of such a device must load."""
+    _, path, _ = fitted
+    good = _members(path)
+    head = json.loads(good[FLAT_HEAD])
+    dev = head["meta"]["devices"][0]
+    dev["peak_flops"] = dict.fromkeys(dev["peak_flops"], 0.0)
+    dev["mem_bandwidth"] = 0.0
+    unknown = tmp_path / "unknown.skops"
+    _rewrite(unknown, {**good, FLAT_HEAD: json.dumps(head)})
+    assert ForestModel.load(unknown).device_infos()[0].peak_flops["bf16"] == 0.0
+
+
 def test_write_flat_round_trips_every_array(tmp_path, fitted):
     model, path, _ = fitted
     loaded = ForestModel.load(path)

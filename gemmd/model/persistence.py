@@ -304,10 +304,10 @@ def _device_problem(d: Any) -> str | None:
         info = DeviceInfo(**d)
     except TypeError as e:
         return str(e)
-    peaks = info.peak_flops
+    peaks = info.peak_flops  # (0: not known, as a clock NVML did not give makes it)
     if not isinstance(info.uuid, str) or not isinstance(info.name, str) or \
             not isinstance(peaks, dict) or not all(
-                isinstance(k, str) and _number(v, open_lo=True) for k, v in peaks.items()):
+                isinstance(k, str) and _number(v) for k, v in peaks.items()):
         return "its uuid, name or peak rates"
     for k in ("mem_bandwidth", "power_limit_w", "sm_count", "memory_bytes"):
         v = getattr(info, k)
