@@ -79,6 +79,17 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def file_identity(path: str | Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, symlinks followed: what tells two names
+    of one file from two files (the store's database replaced under it, an input given
+    twice or written over); None where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def file_sha256(path: str | Path) -> str:
     """The sha256 of a file's bytes (model files and their pins). Raises OSError."""
     import hashlib

@@ -15,6 +15,7 @@ from gemmd.cli.args import UsageError, data_options, int_range, model_out, path_
 from gemmd.cli.context import gpu_catalog, load_config, load_dataset, open_store, store_path
 from gemmd.cli.output import Progress, json_text, num, pct, print_table
 from gemmd.errors import InputError
+from gemmd.files import file_identity
 
 # ------------------------------------------------------------------ fit, evaluate
 
@@ -67,10 +68,7 @@ def _not_an_input(out: Path, args: argparse.Namespace, cfg: Any) -> None:
     the model registry's directory (the active model's file, whose checksum the registry
     keeps: overwritten, the daemon would fall back to the roofline)."""
     def same(a: Path, b: Path) -> bool:
-        try:
-            return a.exists() and b.exists() and a.samefile(b)
-        except OSError:
-            return False
+        return (ident := file_identity(a)) is not None and ident == file_identity(b)
 
     inputs = [(f, "one of the measurement files") for f in args.files] + \
         [(f, "a --gpu-spec file") for f in args.gpu_spec] + \

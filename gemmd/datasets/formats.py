@@ -14,6 +14,7 @@ from gemmd.datasets.reader import Dataset, _open_text
 from gemmd.datasets.sources import load_b200, load_gpperf_cutlass, load_gpperf_tiled, load_xla
 from gemmd.errors import InputError
 from gemmd.features import concat
+from gemmd.files import file_identity
 from gemmd.hardware import Catalogue
 
 # ------------------------------------------------------------------ formats
@@ -59,11 +60,8 @@ def load(fmt: str, paths: Sequence[str | Path], gpu: str | None = None,
         raise InputError("no input file given")
     seen: dict[tuple[int, int] | str, str | Path] = {}
     for p in paths:  # the same file twice would count its measurements twice
-        try:
-            st = Path(p).stat()
-            key: tuple[int, int] | str = (st.st_dev, st.st_ino)
-        except OSError:
-            key = str(p)  # (the format's reader names what is wrong with it)
+        # (one that cannot be read: by its name; the format's reader says what is wrong)
+        key: tuple[int, int] | str = file_identity(p) or str(p)
         if key in seen:
             raise InputError(f"{p}: given twice (as {seen[key]}); its rows would count twice")
         seen[key] = p

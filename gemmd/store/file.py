@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gemmd.errors import StoreError
+from gemmd.files import file_identity
 from gemmd.store.schema import MIGRATIONS, REQUIRED_COLUMNS, SCHEMA_VERSION
 
 # The store's log lines keep the logger name they had as one module (tests filter on it).
@@ -94,17 +95,10 @@ class StoreFile:
             if isinstance(e, sqlite3.Error):
                 raise StoreError(f"cannot open store {self.path}: {e}{self._space(e)}") from e
             raise
-        self._identity = self._file_identity()
+        self._identity = file_identity(self.path)
         self._file_problem: str | None = None  # the last one logged by check_file()
 
     # ------------------------------------------------------ the file, while open
-    def _file_identity(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
-
     def check_file(self) -> str | None:
         """Whether the database file is still the one this store writes (the daemon asks
         every few seconds). Deleted (``rm gemmd.db*``): everything written went on into
@@ -113,7 +107,7 @@ class StoreFile:
         Replaced by another file: an error, logged once; this store keeps writing to the
         file it opened (a restart uses the new one). Returns the problem, or None."""
         with self._lock:
-            now = self._file_identity()
+            now = file_identity(self.path)
             if now == self._identity:
                 self._file_problem = None
                 return None
@@ -161,7 +155,7 @@ class StoreFile:
             old.close()
         except sqlite3.Error:
             pass
-        self._identity = self._file_identity()
+        self._identity = file_identity(self.path)
         rows = self._db.execute("SELECT COUNT(*) FROM probes").fetchone()[0]
         problem = (f"store {self.path} was deleted while gemmd runs: written back from the "
                    f"open database ({rows:,} probe results); gemmd goes on storing there")
