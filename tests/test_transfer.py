@@ -445,15 +445,14 @@ def test_a_card_held_for_runtime_keeps_the_recipe_for_power(monkeypatch):
         return m.predict_table(test)
 
     held, free = tm.predict_table(test), serve("few", "few")
-    plain = serve("calibrated", "few")  # (bounds.clip ties runtime to power)
+    plain = serve("calibrated", "calibrated")
     for k in ("point", "lo", "hi"):
         np.testing.assert_allclose(held["power"][k], free["power"][k], rtol=1e-12)
         np.testing.assert_allclose(held["runtime"][k][mine], plain["runtime"][k][mine],
                                    rtol=1e-9)
         np.testing.assert_allclose(held["runtime"][k][~mine], free["runtime"][k][~mine],
                                    rtol=1e-12)
-    calibrated = serve("calibrated", "calibrated")["power"]["point"][mine]
-    assert not np.allclose(free["power"]["point"][mine], calibrated)
+    assert not np.allclose(free["power"]["point"][mine], plain["power"]["point"][mine])
 
 
 def test_the_probes_of_a_new_gpu_choose_how_far_a_prior_carries(prior):
