@@ -219,6 +219,12 @@ def _out_bytes(t: Table) -> np.ndarray:
     return np.where(named > 0, named, ob)
 
 
+def compute_dtype(dtype: str, kernel: str) -> str:
+    """The dtype whose peak bounds a GEMM: the tiled kernel runs on the fp32 (SIMT) units
+    whatever the tensor-core peaks are (peak_vector's rule, for one row)."""
+    return "fp32" if kernel == "tiled" else dtype
+
+
 def peak_vector(t: Table) -> tuple[np.ndarray, np.ndarray]:
     """(peak FLOP/s for each row's dtype and kernel, peak bandwidth B/s); NaN if unknown.
 

@@ -215,13 +215,14 @@ def _row(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _has_peak(info: DeviceInfo, row: dict[str, Any]) -> bool:
-    """Whether ``info`` has a peak rate for the dtype ``row``'s kernel computes in (the
-    tiled kernel: fp32), as import asks of every row; devices whose figures are estimates
-    (the CPU backend) are not held to it. Without one, the roofline would be at a made-up
-    1 TFLOP/s (a V100's bf16 at 0.7 TFLOP/s)."""
+    """Whether ``info`` has a peak rate for the dtype ``row``'s kernel computes in
+    (features.compute_dtype), as import asks of every row; devices whose figures are
+    estimates (the CPU backend) are not held to it. Without one, the roofline would be
+    at a made-up 1 TFLOP/s (a V100's bf16 at 0.7 TFLOP/s)."""
     from gemmd.bounds import UNBOUNDED_BACKENDS
+    from gemmd.features import compute_dtype
 
-    d = "fp32" if row.get("kernel") == "tiled" else str(row.get("dtype"))
+    d = compute_dtype(str(row.get("dtype")), str(row.get("kernel")))
     return info.backend in UNBOUNDED_BACKENDS or bool(info.peak_flops.get(d))
 
 
@@ -237,7 +238,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     info = _device(args, pred)
     row = _row(args)
     if not _has_peak(info, row):
-        raise _no_peak(info, "fp32" if row["kernel"] == "tiled" else row["dtype"])
+        from gemmd.features import compute_dtype
+
+        raise _no_peak(info, compute_dtype(row["dtype"], row["kernel"]))
     if args.source:
         row["source"] = args.source
     t0 = time.perf_counter()

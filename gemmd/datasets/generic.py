@@ -13,7 +13,7 @@ import numpy as np
 
 from gemmd.datasets.reader import Dataset, _Csv, _dims, _gpus, _table, _unknown_gpu
 from gemmd.errors import InputError
-from gemmd.features import Table, flops
+from gemmd.features import Table, compute_dtype, flops
 from gemmd.gemm import DATA_KERNELS, DTYPES, LAYOUTS
 from gemmd.hardware import CATALOGUE, Catalogue, SpecError, compact, spec_from_mapping
 from gemmd.records import DeviceInfo
@@ -323,7 +323,7 @@ def _check_peaks(f: _Csv, t: Table) -> None:
 
     peak, _ = peak_vector(t)
     for i in np.flatnonzero(~np.isfinite(peak))[:1]:
-        d = "fp32" if t["kernel"][i] == "tiled" else t["dtype"][i]
+        d = compute_dtype(t["dtype"][i], t["kernel"][i])
         raise f.error(i, "dtype", f"{t.info(i).name} has no {d} peak (the catalogue "
                                   f"knows none: no {d} units?); if it is right, give "
                                   f"peak_{d}_tflops")
