@@ -15,6 +15,7 @@ DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8")
 KERNELS = ("blas", "tiled")  # what gemmd can probe
 DATA_KERNELS = (*KERNELS, "cutlass")  # what imported measurements may also name
 LAYOUTS = ("nn", "nt", "tn", "tt")  # op(A), op(B) as cuBLAS and CUTLASS name them
+DAEMON_SOURCE = "daemon"  # the source of gemmd's own probes (imports are named otherwise)
 
 # Bytes per element of the inputs; fp8 GEMMs write a 16-bit output.
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}

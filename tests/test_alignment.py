@@ -11,6 +11,7 @@ import pytest
 from gemmd import datasets, features
 from gemmd.config import ModelConfig
 from gemmd.features import Table
+from gemmd.gemm import ProbeSpec
 from gemmd.model import ForestModel, TransferModel
 from gemmd.model.calibration import (
     WORK_IDENTIFIED,
@@ -27,7 +28,13 @@ from gemmd.model.domain import (
     domain_record,
     served_flags,
 )
-from gemmd.model.offsets import _robust_offsets, launch_share, loss_slope, unaligned_work
+from gemmd.model.offsets import (
+    _robust_offsets,
+    launch_share,
+    loss_slope,
+    unaligned,
+    unaligned_work,
+)
 from gemmd.model.transfer import _fit_trees
 
 A100 = datasets.KNOWN_GPUS["a100-sxm-80gb"]
@@ -99,6 +106,37 @@ def test_alignment_counts_bytes_up_to_a_16_byte_vector():
                          {"m": 4100, "n": 3, "k": 4096, "dtype": "fp32"}],
                         [A100] * 11)
     assert (2 ** align_log2(t)).tolist() == [16, 16, 8, 2, 16, 4, 8, 16, 16, 16, 16]
+
+
+@pytest.mark.parametrize(("layout", "counts"), [("nn", "mk"), ("nt", "mn"), ("tn", "mk"),
+                                               ("tt", "mnk")])
+def test_gemmds_own_cublas_probes_count_their_leading_dimensions(layout, counts):
+    """gemmd's cuBLAS probes are column-major (lda M or K, ldb K or N, ldc M): only a
+    dimension that is some operand's leading one counts (on the H200 an odd N of an nn
+    GEMM cost little, an odd M or K 5x). An imported row (its storage not known), the
+    tiled kernel's or one of no source counts all three."""
+    rows = [{"m": 4096 + (c == "m"), "n": 4096 + (c == "n"), "k": 4096 + (c == "k"),
+             "dtype": "fp16", "layout": layout, "kernel": kernel, "source": source}
+            for source, kernel in (("daemon", "blas"), ("apex_plus", "blas"), ("", "blas"),
+                                   ("daemon", "tiled")) for c in "mnk"]
+    got = (2 ** align_log2(Table.from_rows(rows, [A100] * len(rows)))).tolist()
+    assert got[:3] == [2.0 if c in counts else 16.0 for c in "mnk"]
+    assert got[3:] == [2.0] * 9
+
+
+def test_an_odd_dimension_no_operand_leads_is_no_unaligned_probe(aligned_model):
+    """The daemon's nn probe with only N odd is in the domain and served as aligned; with
+    M odd it is not (the same shape from a file of unknown storage is not either)."""
+    specs = [ProbeSpec(4096, 4097, 4096, "bf16"), ProbeSpec(4097, 4096, 4096, "bf16")]
+    own = aligned_model.predict(specs, [A100] * 2, source="daemon")
+    other = aligned_model.predict(specs, [A100] * 2, source="apex_plus")
+    assert own[0].in_domain and not own[1].in_domain and not other[0].in_domain
+    assert "aligned to 2 B" in own[1].domain and "aligned to 2 B" in other[0].domain
+    assert own[0].runtime_hi / own[0].runtime_s < other[0].runtime_hi / other[0].runtime_s
+    cal = gemms(A100, 40, 5)
+    cal.cols["n"] = cal["n"] + 1  # N odd alone: aligned loads, no unaligned offset
+    cal.cols["source"] = np.full(len(cal), "daemon", dtype=object)
+    assert not unaligned(cal).any()
 
 
 def test_an_unaligned_shape_is_flagged_and_its_runtime_covered_upward(aligned_model):

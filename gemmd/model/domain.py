@@ -13,7 +13,7 @@ import numpy as np
 
 from gemmd import features
 from gemmd.features import Table
-from gemmd.gemm import COLUMN, DTYPE_BYTES
+from gemmd.gemm import COLUMN, DAEMON_SOURCE, DTYPE_BYTES
 from gemmd.hardware import gpu_model_key
 from gemmd.model.space import LAUNCH_S
 from gemmd.records import Prediction
@@ -103,18 +103,38 @@ def _log2_sizes(t: Table) -> np.ndarray:
                                 np.log2(features.flops(t))])
 
 
+def leading_dims(t: Table) -> np.ndarray:
+    """Per row, which of M, N and K (a rows x 3 mask) are an operand's leading dimension,
+    the stride its 16-byte loads need aligned. Known for gemmd's own cuBLAS probes (source
+    DAEMON_SOURCE, kernel "blas"), column-major (devices.nvidia.blas_args): lda is M (op
+    N) or K (op T), ldb K or N, ldc M. On the H200, layout nn, above 2 GFLOP, the 5 bf16
+    and fp16 GEMMs with only N odd ran at 0.48 of the roofline (aligned 0.56), those with
+    M or K odd, whatever N, at 0.09-0.12 (bench/RESULTS.md, 2026-11-28). Elsewhere all
+    three: an imported file does not say how its operands were stored (the B200's lost
+    with only N odd)."""
+    mask = np.ones((len(t), 3), dtype=bool)
+    own = (features.row_sources(t) == DAEMON_SOURCE) & (t["kernel"] == "blas")
+    if own.any():
+        lay = t["layout"][own].astype(str)
+        ta, tb = np.char.startswith(lay, "t"), np.char.endswith(lay, "t")
+        mask[own, 1] = tb  # N: ldb where B is transposed
+        mask[own, 2] = ta | ~tb  # K: lda where A is transposed, ldb where B is not
+    return mask
+
+
 def align_log2(t: Table) -> np.ndarray:
-    """Per row, log2 of the bytes M, N and K are all aligned to (ALIGN_BYTES at most). A
-    GEMM with a dimension shorter than one ALIGN_BYTES vector counts as aligned: it is a
-    matrix-vector product, run by other kernels (the B200's 2,338 unaligned fp16 and fp8
-    GEMMs with a dimension of 1-7 lost a median 5% to a prior of aligned ones; the 791
-    others 21%, 3.3x above 1 GFLOP)."""
+    """Per row, log2 of the bytes its leading dimensions (leading_dims; M, N and K where
+    not known) are all aligned to (ALIGN_BYTES at most). A GEMM with a dimension shorter
+    than one ALIGN_BYTES vector counts as aligned: it is a matrix-vector product, run by
+    other kernels (the B200's 2,338 unaligned fp16 and fp8 GEMMs with a dimension of 1-7
+    lost a median 5% to a prior of aligned ones; the 791 others 21%, 3.3x above 1
+    GFLOP)."""
     if not len(t):
         return np.zeros(0)
     dims = np.column_stack([t[c] for c in ("m", "n", "k")])
     dims = np.where(np.isfinite(dims) & (dims > 0), dims, 1).astype(np.int64)
     size = np.array([DTYPE_BYTES.get(str(d), 4) for d in t["dtype"]], dtype=np.int64)
-    low = ((dims & -dims) * size[:, None]).min(axis=1)
+    low = np.where(leading_dims(t), (dims & -dims) * size[:, None], ALIGN_BYTES).min(axis=1)
     short = (dims * size[:, None] < ALIGN_BYTES).any(axis=1)
     return np.log2(np.where(short, ALIGN_BYTES, np.minimum(low, ALIGN_BYTES)).astype(
         np.float64))

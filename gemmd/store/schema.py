@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-DAEMON_SOURCE = "daemon"
+from gemmd.gemm import DAEMON_SOURCE as DAEMON_SOURCE  # (its home: the GEMM vocabulary)
 
 PROBE_COLUMNS = (
     "ts", "source", "kind", "device_uuid", "device_index", "device_name", "backend",
