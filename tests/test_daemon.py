@@ -246,6 +246,41 @@ def test_stopping_ends_a_refit_in_its_child_process_at_once(tmp_path):
         store.close()
 
 
+def test_a_stop_that_interrupts_an_import_in_the_refit_child_is_a_stop(tmp_path, monkeypatch,
+                                                                       caplog, capsys):
+    """The SIGTERM's SystemExit raised inside an extension's module init comes out as
+    that extension's ImportError ("initialization failed": scipy's HiGHS, in CI's fuzz
+    of `gemmd run`): the child answers "stopped", with no traceback in the log."""
+    import io
+    import json
+    import os
+    import signal
+
+    from gemmd import refit
+    from gemmd.config import ModelConfig
+
+    def interrupted(self, *args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(HANG_S)  # the handler raises SystemExit here
+        except SystemExit:
+            raise ImportError("initialization failed") from None  # as pybind11's init does
+        raise AssertionError("no SIGTERM")
+
+    monkeypatch.setattr(refit._ChildRegistry, "refit", interrupted)
+    job = {"state_dir": str(tmp_path), "model": dataclasses.asdict(ModelConfig()),
+           "sources": ["daemon"], "force": False, "log_level": "info"}
+    out = io.StringIO()
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert refit.child_main(io.StringIO(json.dumps(job)), out) == 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert json.loads(out.getvalue())["error"] == "stopped"
+    assert not [r for r in caplog.records if r.exc_info or "refit failed" in r.getMessage()]
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_new_state_directory_logs_one_store_line_not_one_per_migration(tmp_path, caplog):
     from gemmd.store import SCHEMA_VERSION
 
