@@ -27,8 +27,9 @@ SIZE_MARGIN_LOG2 = 0.0
 _SIZES = ("m", "n", "k", "flops")
 SIZE_MIN_D = 0.5  # a row beyond the trained sizes is widened as if at least this far out
 
-# Alignment in bytes of M, N and K (the least of the three, each its largest power-of-two
-# factor times the element size), counted up to this: tensor-core kernels load 16-byte
+# Alignment in bytes of M, N and K (the least of the three, or of the operands' leading
+# dimensions where known: leading_dims; each its largest power-of-two factor times the
+# element size), counted up to this: tensor-core kernels load 16-byte
 # vectors and need leading dimensions that are multiples of them. A forest trained only
 # on aligned shapes extrapolates flat to unaligned ones: fitted on the H200's
 # 256..8192 grid, gemmd's own bf16 probes at shapes with a dimension not a multiple of 8
