@@ -53,7 +53,7 @@ from gemmd.config import ModelConfig
 from gemmd.errors import GemmdError, InputError
 from gemmd.features import Table, concat
 from gemmd.model import ForestModel
-from gemmd.model.domain import work_share
+from gemmd.model.domain import align_share
 from gemmd.model.intervals import conformal_quantile
 from gemmd.model.offsets import unaligned as unaligned_rows
 from gemmd.model.validation import _need, _row_gpu_keys, share_cut
@@ -170,7 +170,7 @@ def coverage(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
 def unaligned(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
     """Per shared GPU with rows aligned below ALIGN_BYTES (the B200's fp16 and fp8): a
     prior of all the GPUs without them, judged on them: coverage, MAPE, and the spread
-    (log, per unit of the runtime's share beyond a launch) the upper end of each row's
+    (log, per unit of domain.align_share) the upper end of each row's
     interval needs to hold it, as domain.align_widening applies it: the conformal
     quantile at the nominal share over all the rows and over those above 1e6-1e10 FLOPs."""
     out = []
@@ -184,7 +184,7 @@ def unaligned(G: dict[str, Table], cfg: ModelConfig) -> list[dict]:
         res = model.predict_table(te)["runtime"]
         y = te["runtime_s"]
         r = np.log(y) - np.log(res["point"])
-        share = np.maximum(work_share(np.log(res["point"])), 1e-3)
+        share = np.maximum(align_share(te, np.log(res["point"])), 1e-3)
         need = np.where(r > 0, _need(r, res["sigma"], model.z, share), 0.0)
         f = features.flops(te)
         rec = {"case": "unaligned left out", "gpu": g, "target": "runtime", "n": int(len(te)),

@@ -176,7 +176,7 @@ def calibrate(prior: ForestModel, t: Table, launch: Collection[str] = ()
             s_new = max(tau_o.get("scatter", tau_o["kernel"]), s0)
             # what an unaligned probe's loss slows is its work, not its launch; unless
             # the dtype's probes say the loss is the whole runtime's (_align_on_work)
-            work, tau_a = work_all[sel][ok], tau_o.get("align", 1.0)
+            work, tau_a = work_all[sel][ok], tau_o.get("align_work", 1.0)
             # the launch's own offset: runtime only (power has no launch in it), read on
             # the kernels the prior ran (a new kernel's offset is its own, launch and all:
             # 12 tiled probes beside 12 blas ones at the prior's launch read 2.1 in log)

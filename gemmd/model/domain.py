@@ -56,16 +56,20 @@ MIN_SD = 0.005
 # of its GPU and dtype (domain_flags). Measured by leaving out whole GPUs,
 # dtypes and kernels on the shared data (bench/transfer.py --coverage, docs/model.md):
 # these make the nominal interval cover about its share of such predictions there.
-# "align" (align_widening: upward, times the runtime's share beyond a launch; validated
-# at fit time where the data hold unaligned rows, _validate_align) from the B200's 665
-# fp16 rows aligned below 16 bytes (align_log2; the shared data's only such rows), left
-# out of a prior of the four shared GPUs (bench/transfer.py --align): 0.84 held 90% of
-# them (1.06 of the 177 above 1 GFLOP). Their power needed none (0.1 kept, as for
-# sizes). docs/model.md, "Alignment".
+# "align" (align_widening: upward, times align_share; validated at fit time where the
+# data hold unaligned rows, _validate_align) from the B200's 665 fp16 rows aligned below
+# 16 bytes (align_log2; the shared data's only such rows), left out of a prior of the
+# four shared GPUs (bench/transfer.py --align): 1.52 held 90% of them (1.55 of the 177
+# above 1 GFLOP). Their power needed none (0.1 kept, as for sizes). "align_work": the
+# same per unit of work_share, 0.84 there: how far a calibration's unaligned offset may
+# go before its probes say so (calibration, _robust_offsets' tau_a), in the unit that
+# offset is read in. docs/model.md, "Alignment".
 OOD_SD: dict[str, dict[str, float]] = {
-    "runtime": {"gpu": 0.5, "dtype": 0.35, "kernel": 1.5, "size": 0.25, "align": 0.84},
+    "runtime": {"gpu": 0.5, "dtype": 0.35, "kernel": 1.5, "size": 0.25, "align": 1.52,
+                "align_work": 0.84},
     "power": {"gpu": 0.45, "dtype": 0.4, "kernel": 0.4, "size": 0.1, "align": 0.1},
-    "energy": {"gpu": 0.5, "dtype": 0.4, "kernel": 1.5, "size": 0.25, "align": 0.84},
+    "energy": {"gpu": 0.5, "dtype": 0.4, "kernel": 1.5, "size": 0.25, "align": 1.52,
+               "align_work": 0.84},
 }
 
 
@@ -324,26 +328,25 @@ def size_widening(tau: Mapping[str, float], flags: Mapping[str, Any], least: boo
 
 
 def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
-                   runtime_log: np.ndarray | None) -> np.ndarray:
+                   share: np.ndarray | None) -> np.ndarray:
     """Per row, the log-space sd its alignment below the trained adds to the upper end of
     a runtime's (and energy's) interval alone: a GEMM loses speed unaligned, never gains
     it (a kernel for unaligned data runs aligned data too), so the trained prediction is
-    its lower end. What slows is the work, not the launch: ``tau``'s "align" times the
-    share of the predicted runtime (``runtime_log``) beyond LAUNCH_S. Not where other GPU
+    its lower end. What slows is the work at the kernel's speed: ``tau``'s "align" times
+    ``share`` (align_share, per row). Not where other GPU
     models were trained at that alignment ("align_seen": the forest may have carried
     their loss, too much or too little) nor for other targets: widen widens both ends."""
     up = flags["align"] & ~flags["align_seen"] & ~flags["align_probed"]
-    if target not in ALIGN_UPWARD or runtime_log is None or not up.any():
+    if target not in ALIGN_UPWARD or share is None or not up.any():
         return np.zeros(len(up))
-    return np.where(up, _align_spread(target, tau, runtime_log), 0.0)
+    return np.where(up, _align_spread(target, tau, share), 0.0)
 
 
 def beyond_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
-                    runtime_log: np.ndarray | None) -> np.ndarray:
+                    share: np.ndarray | None) -> np.ndarray:
     """size_widening and align_both_ways together: the log sd a calibrated row's shape
     adds for lying outside the shapes trained on (and probed)."""
-    return np.hypot(size_widening(tau, flags), align_both_ways(target, tau, flags,
-                                                               runtime_log))
+    return np.hypot(size_widening(tau, flags), align_both_ways(target, tau, flags, share))
 
 
 def prior_domain(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
@@ -369,16 +372,22 @@ def prior_domain(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
     return out
 
 
-def upward(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+def upward(t: Table, logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
            flags: Mapping[str, Mapping[str, Any]], tau_of: Any, meta: Mapping[str, Any]
            ) -> dict[str, np.ndarray]:
-    """result's ``up`` per target of ``logs`` (align_widening, ``tau_of(target)`` its
-    spreads, ``flags`` per target): energy derived as power x runtime (``meta``
-    "derived") is slowed as the runtime is, whatever power's domain."""
+    """result's ``up`` per target of ``logs`` (the rows of ``t``; align_widening,
+    ``tau_of(target)`` its spreads, ``flags`` per target): energy derived as power x
+    runtime (``meta`` "derived") is slowed as the runtime is, whatever power's domain."""
     derived = (meta.get("derived") or {}).get("energy")
-    run = logs.get("runtime", (None,))[0]
+    share = shares(t, logs)
     return {tg: align_widening(tg, tau_of(tg), flags["runtime" if tg == "energy" and
-                                                     derived else tg], run) for tg in logs}
+                                                     derived else tg], share) for tg in logs}
+
+
+def shares(t: Table, logs: Mapping[str, tuple[np.ndarray, Any]]) -> np.ndarray | None:
+    """align_share of ``t``'s rows at ``logs``' runtime (None without one)."""
+    run = logs.get("runtime", (None,))[0]
+    return None if run is None else align_share(t, run)
 
 
 def flags_both(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -421,26 +430,44 @@ def flags_where(mask: np.ndarray, a: Mapping[str, Any], b: Mapping[str, Any]
 
 
 def work_share(runtime_log: np.ndarray) -> np.ndarray:
-    """The share of a predicted runtime beyond a launch (LAUNCH_S): what unaligned data
-    slow (align_widening, and what _validate_align and bench/transfer.py --align measure
-    per unit of)."""
+    """The share of a predicted runtime beyond a launch (LAUNCH_S): what a calibration's
+    unaligned offset slows (offsets.unaligned_work)."""
     return np.clip(1.0 - LAUNCH_S / np.exp(runtime_log), 0.0, 1.0)
 
 
-def _align_spread(target: str, tau: Mapping[str, float], runtime_log: np.ndarray
+def align_share(t: Table, runtime_log: np.ndarray) -> np.ndarray:
+    """Per row, what the loss of an unaligned GEMM grows with, in its upward spread
+    (align_widening; what _validate_align and bench/transfer.py --align measure per unit
+    of): the square root of the roofline's share of its predicted runtime (``runtime_log``,
+    aligned), how near its speed limit the aligned kernel runs; work_share where the
+    device's peaks are not known. Unaligned loads cap a kernel's speed, so a GEMM that
+    runs near its peak aligned loses most, a launch- or memory-bound one little: the
+    B200's 665 unaligned fp16 GEMMs, left out of a four-GPU prior, lost a median log 1.2-1.3
+    above 1 GFLOP, 0.5 at 0.1-1 GFLOP, none below. Per unit of work_share the spread that
+    held 90% of them held 61-79% of those above 1 GFLOP and 93-99% below; per unit of the
+    square root 80-100% in each size band, the flattest of the shares tried
+    (bench/RESULTS.md, 2026-11-28)."""
+    peak, bw = features.peak_vector(t)
+    eff = features.roofline(t) / np.exp(runtime_log)
+    known = (peak > 0) & (bw > 0) & np.isfinite(eff)  # (NaN peaks compare False)
+    return np.where(known, np.sqrt(np.clip(np.nan_to_num(eff), 0.0, 1.0)),
+                    work_share(runtime_log))
+
+
+def _align_spread(target: str, tau: Mapping[str, float], share: np.ndarray
                   ) -> np.ndarray:
     """An ALIGN_UPWARD target's alignment spread per row: ``tau``'s "align" per unit of
-    work_share."""
-    return tau.get("align", OOD_SD[target]["align"]) * work_share(runtime_log)
+    ``share`` (align_share)."""
+    return tau.get("align", OOD_SD[target]["align"]) * share
 
 
 def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
           skip: Sequence[str] = (), tau: Mapping[str, float] | None = None,
-          runtime_log: np.ndarray | None = None) -> np.ndarray:
+          share: np.ndarray | None = None) -> np.ndarray:
     """sd combined with the spread (``tau``, else OOD_SD) of every way a row lies
     outside the domain (beyond the trained sizes: size_widening; below the trained
     alignment: for ALIGN_UPWARD's targets only where "align_seen", scaled as
-    align_widening by ``runtime_log``, which widens the others upward)."""
+    align_widening by ``share``, which widens the others upward)."""
     tau = tau or OOD_SD.get(target, OOD_SD["runtime"])
     var = sd**2
     for kind in ("gpu", "dtype", "kernel"):
@@ -449,21 +476,21 @@ def widen(target: str, sd: np.ndarray, flags: Mapping[str, Any],
     if "size" not in skip:
         var = var + size_widening(tau, flags) ** 2
     if "align" not in skip:
-        var = var + align_both_ways(target, tau, flags, runtime_log) ** 2
+        var = var + align_both_ways(target, tau, flags, share) ** 2
     return np.sqrt(var)
 
 
 def align_both_ways(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
-                    runtime_log: np.ndarray | None) -> np.ndarray:
+                    share: np.ndarray | None) -> np.ndarray:
     """Per row, the log-space sd its alignment below the trained adds to both ends of
     its interval: for targets other than ALIGN_UPWARD's, ``tau``'s "align"; for those,
-    where "align_seen", as align_widening scales it (``runtime_log``)."""
+    where "align_seen", as align_widening scales it (``share``)."""
     if target not in ALIGN_UPWARD:
         return np.where(flags["align"], tau.get("align", OOD_SD["power"]["align"]), 0.0)
-    if runtime_log is None:
+    if share is None:
         return np.zeros(len(flags["align"]))
     return np.where(flags["align"] & flags["align_seen"] & ~flags["align_probed"],
-                    _align_spread(target, tau, runtime_log), 0.0)
+                    _align_spread(target, tau, share), 0.0)
 
 
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],

@@ -34,6 +34,7 @@ from gemmd.model.domain import (
     domain_record,
     flags_both,
     result,
+    shares,
     to_predictions,
     upward,
     widen,
@@ -239,13 +240,13 @@ class ForestModel:
         if not len(t):
             return {}
         logs, flags = self.prior_logs(t)
-        run = logs.get("runtime", (None,))[0]
+        share = shares(t, logs)
         for target, (mu, sd) in list(logs.items()):
             logs[target] = (mu, widen(target, sd, flags[target], tau=self.ood_sd(target),
-                                      runtime_log=run))
+                                      share=share))
         logs = self._with_energy(logs, t)
         per = {tg: flags.get(tg, flags["runtime"]) for tg in logs}
-        out = result(logs, per, self.z, upward(logs, per, self.ood_sd, self.meta))
+        out = result(logs, per, self.z, upward(t, logs, per, self.ood_sd, self.meta))
         bounds.clip(out, t)
         return out
 
@@ -254,9 +255,13 @@ class ForestModel:
         with the model's own validated figures where it measured them at fit time
         (leave-one-GPU-out for "gpu", extrapolation beyond a trained size for "size" and
         per dimension "size_m", "size_n", "size_k"; for runtime, "scatter": a kernel the
-        model never saw; for runtime and energy, "align": unaligned shapes held out)."""
-        return {**OOD_SD.get(target, OOD_SD["runtime"]),
-                **(self.meta.get("ood_sd") or {}).get(target, {})}
+        model never saw; for runtime and energy, "align" and "align_work": unaligned
+        shapes held out). A model fitted before "align_work" measured "align" per unit of
+        work_share: that is its "align_work", and "align" is OOD_SD's."""
+        own = dict((self.meta.get("ood_sd") or {}).get(target, {}))
+        if "align" in own and "align_work" not in own:
+            own["align_work"] = own.pop("align")
+        return {**OOD_SD.get(target, OOD_SD["runtime"]), **own}
 
     def transfer_setting(self) -> tuple[float, float]:
         """(w, a) for an unknown GPU's runtime: the weight of the forest's own efficiency

@@ -28,6 +28,7 @@ from gemmd.model.domain import (
     prior_domain,
     result,
     served_flags,
+    shares,
     size_widening,
     to_predictions,
     upward,
@@ -401,12 +402,12 @@ class TransferModel:
             "few" in used else None
         q = NormalDist().inv_cdf(0.5 + float(self.meta.get("interval", 0.9)) / 2)
         recs = self.prior.meta.get("domain_targets") or {}
-        run = logs.get("runtime", (None,))[0]
+        align = shares(t, logs)
         for target, (mu, sd) in logs.items():
             tau = self.prior.ood_sd(target)
             kernels = set((recs.get(target) or self.prior.meta.get("domain") or {}).get(
                 "kernels", []))
-            mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau, runtime_log=run)
+            mu, sd = mu.copy(), widen(target, sd, flags0[target], tau=tau, share=align)
             choice = self.choice.get(target, "calibrated")
             zrow = zrows[target] = np.full(len(t), self.z)
             onp = on_prior[target] = np.zeros(len(t), dtype=bool)
@@ -414,8 +415,8 @@ class TransferModel:
             # extrapolate flat), and beyond the prior's
             near = size_widening(tau, near_fl, least=False) if near_fl is not None else \
                 np.zeros(len(t))
-            beyond = beyond_widening(target, tau, flags[target], run)
-            beyond_prior = beyond_widening(target, tau, flags_prior[target], run)
+            beyond = beyond_widening(target, tau, flags[target], align)
+            beyond_prior = beyond_widening(target, tau, flags_prior[target], align)
             scale = self._row_scale(target, choice, t["kernel"],
                                     self.cv_scale.get(target, 1.0))
             # the calibrated prior's factor: its own where it is not the chosen recipe
@@ -500,7 +501,7 @@ class TransferModel:
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
         per, z = served_flags(out, on_prior, zrows, flags_prior, flags)
-        res = result(out, per, z, upward(out, per, self.prior.ood_sd, self.prior.meta))
+        res = result(out, per, z, upward(t, out, per, self.prior.ood_sd, self.prior.meta))
         bounds.clip(res, t)
         return res
 

@@ -23,6 +23,7 @@ from gemmd.model.domain import (
     SIZE_MIN_D,
     TRANSFER_GRID,
     _reference_shapes,
+    align_share,
     domain_flags,
     domain_record,
     widen,
@@ -143,9 +144,9 @@ def _validate(t: Table, X: np.ndarray, gid: np.ndarray, forests: Mapping[str, An
             align = _validate_align(t, X, gid, y, sigma[target], in_scale[target], cfg, z,
                                     model)
             if align is not None:  # energy is runtime times power: the same upper end
-                tau["align"] = align
+                tau.update(align)
                 for tg in ("runtime", "energy"):
-                    ood.setdefault(tg, {})["align"] = align
+                    ood.setdefault(tg, {}).update(align)
             scatter = _kernel_scatter(t, y, cfg.interval, z)
             if scatter is not None:
                 ood.setdefault(target, {})["scatter"] = scatter
@@ -236,12 +237,13 @@ def _validate_size(t: Table, X: np.ndarray, gid: np.ndarray, target: str, y: np.
 
 def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sigma: float,
                     scale: float, cfg: ModelConfig, z: float, model: ModelClass
-                    ) -> float | None:
+                    ) -> dict[str, float] | None:
     """The runtime's "align" spread (domain.align_widening), where the training data
     hold GPU models and dtypes with both aligned and unaligned rows (LOGO_MIN_ROWS each):
     their unaligned rows held out, a forest fitted on the rest, and what the upper end of
-    each held-out row's interval needs to hold it, per unit of its runtime's share
-    beyond a launch: the conformal quantile at the nominal share. A fleet whose
+    each held-out row's interval needs to hold it, per unit of its align_share: the
+    conformal quantile at the nominal share; "align_work" the same per unit of
+    work_share (a calibration's unaligned offset's prior spread). A fleet whose
     exploration probed unaligned shapes thus measures, for a GPU or dtype whose probes
     were all aligned, what its own GPUs lost. None without such data."""
     ok = np.isfinite(y)
@@ -260,9 +262,12 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     mu, sd = fold.raw_logs(te, scaled=False)["runtime"]
     mu = _clip_logs("runtime", te, mu)
     r = np.log(te["runtime_s"]) - mu
-    need = np.where(r > 0, _need(r, sd * scale, z, np.maximum(work_share(mu), 1e-3)), 0.0)
-    return float(np.clip(conformal_quantile(need[np.isfinite(need)], cfg.interval),
-                         SIZE_SD_FLOOR, 3.0))
+    out_: dict[str, float] = {}
+    for name, share in (("align", align_share(te, mu)), ("align_work", work_share(mu))):
+        need = np.where(r > 0, _need(r, sd * scale, z, np.maximum(share, 1e-3)), 0.0)
+        out_[name] = float(np.clip(conformal_quantile(need[np.isfinite(need)], cfg.interval),
+                                   SIZE_SD_FLOOR, 3.0))
+    return out_
 
 
 def share_cut(v: np.ndarray, side: int = 1, share: float = SIZE_SHARE) -> float:
