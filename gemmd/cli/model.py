@@ -16,6 +16,7 @@ from gemmd.cli.context import gpu_catalog, load_config, load_dataset, open_store
 from gemmd.cli.output import Progress, json_text, num, pct, print_table
 from gemmd.errors import InputError
 from gemmd.files import file_identity
+from gemmd.store.file import SIDECARS
 
 # ------------------------------------------------------------------ fit, evaluate
 
@@ -80,7 +81,7 @@ def _not_an_input(out: Path, args: argparse.Namespace, cfg: Any) -> None:
     if state is not None:
         db = store_path(cfg)
         inputs += [(f, f"the store ({db})") for f in (
-            db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm"))]
+            db, *(db.with_name(db.name + s) for s in SIDECARS))]
     for f, what in inputs:
         if same(out, Path(f)):
             raise UsageError(f"--out {out}: that is {what}; the model would overwrite it")

@@ -13,7 +13,7 @@ import numpy as np
 
 from gemmd import features
 from gemmd.features import Table
-from gemmd.gemm import COLUMN, DAEMON_SOURCE, DTYPE_BYTES
+from gemmd.gemm import COLUMN, DAEMON_SOURCE, DTYPE_BYTES, roofline_s
 from gemmd.hardware import gpu_model_key
 from gemmd.model.space import LAUNCH_S
 from gemmd.records import Prediction
@@ -372,14 +372,14 @@ def prior_domain(extra: Mapping[str, Mapping[str, Mapping[str, Any]]]
     return out
 
 
-def upward(t: Table, logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
-           flags: Mapping[str, Mapping[str, Any]], tau_of: Any, meta: Mapping[str, Any]
-           ) -> dict[str, np.ndarray]:
-    """result's ``up`` per target of ``logs`` (the rows of ``t``; align_widening,
-    ``tau_of(target)`` its spreads, ``flags`` per target): energy derived as power x
-    runtime (``meta`` "derived") is slowed as the runtime is, whatever power's domain."""
+def upward(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+           flags: Mapping[str, Mapping[str, Any]], tau_of: Any, meta: Mapping[str, Any],
+           share: np.ndarray | None) -> dict[str, np.ndarray]:
+    """result's ``up`` per target of ``logs`` (align_widening, ``tau_of(target)`` its
+    spreads, ``flags`` per target, ``share`` the rows' align_share at ``logs``' runtime):
+    energy derived as power x runtime (``meta`` "derived") is slowed as the runtime is,
+    whatever power's domain."""
     derived = (meta.get("derived") or {}).get("energy")
-    share = shares(t, logs)
     return {tg: align_widening(tg, tau_of(tg), flags["runtime" if tg == "energy" and
                                                      derived else tg], share) for tg in logs}
 
@@ -448,7 +448,8 @@ def align_share(t: Table, runtime_log: np.ndarray) -> np.ndarray:
     square root 80-100% in each size band, the flattest of the shares tried
     (bench/RESULTS.md, 2026-11-28)."""
     peak, bw = features.peak_vector(t)
-    eff = features.roofline(t) / np.exp(runtime_log)
+    eff = roofline_s(features.flops(t), features.traffic_bytes(t), peak, bw) / np.exp(
+        runtime_log)
     known = (peak > 0) & (bw > 0) & np.isfinite(eff)  # (NaN peaks compare False)
     return np.where(known, np.sqrt(np.clip(np.nan_to_num(eff), 0.0, 1.0)),
                     work_share(runtime_log))

@@ -246,7 +246,7 @@ class ForestModel:
                                       share=share))
         logs = self._with_energy(logs, t)
         per = {tg: flags.get(tg, flags["runtime"]) for tg in logs}
-        out = result(logs, per, self.z, upward(t, logs, per, self.ood_sd, self.meta))
+        out = result(logs, per, self.z, upward(logs, per, self.ood_sd, self.meta, share))
         bounds.clip(out, t)
         return out
 

@@ -501,7 +501,8 @@ class TransferModel:
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
         per, z = served_flags(out, on_prior, zrows, flags_prior, flags)
-        res = result(out, per, z, upward(t, out, per, self.prior.ood_sd, self.prior.meta))
+        res = result(out, per, z, upward(out, per, self.prior.ood_sd, self.prior.meta,
+                                         shares(t, out)))
         bounds.clip(res, t)
         return res
 

@@ -32,6 +32,8 @@ from gemmd.store.schema import MIGRATIONS, REQUIRED_COLUMNS, SCHEMA_VERSION
 
 # The store's log lines keep the logger name they had as one module (tests filter on it).
 logger = logging.getLogger("gemmd.store")
+# The files SQLite keeps beside the database in WAL mode (its name plus these).
+SIDECARS = ("-wal", "-shm")
 
 MIN_FREE_BYTES = 1 << 20  # an I/O error with less free than this names the full disk
 
@@ -133,7 +135,7 @@ class StoreFile:
                 self._db.backup(copy)
             finally:
                 copy.close()
-            for suffix in ("-wal", "-shm"):  # the deleted database's, if left behind
+            for suffix in SIDECARS:  # the deleted database's, if left behind
                 self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
             os.replace(tmp, self.path)
             db = sqlite3.connect(str(self.path), check_same_thread=False,
