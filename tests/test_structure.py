@@ -39,7 +39,8 @@ PUBLIC = {
                     "describe_calibration", "shape_hashes", "table_hash"],
     "gemmd.exporter": ["Exposition", "Metrics", "assemble", "host_name", "serve"],
     "gemmd.store": ["DAEMON_SOURCE", "INTERVAL_COLUMNS", "REQUIRED_COLUMNS", "SCHEMA_VERSION",
-                    "InstanceLock", "Store", "events_sql", "measured_by", "sentinels_sql"],
+                    "SIDECARS", "InstanceLock", "Store", "events_sql", "measured_by",
+                    "sentinels_sql"],
     "gemmd.report.fleet": ["write_fleet"],
     "gemmd.report": ["MIN_ROWS", "check_out", "work_units", "write", "write_fleet"],
 }

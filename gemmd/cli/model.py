@@ -16,7 +16,7 @@ from gemmd.cli.context import gpu_catalog, load_config, load_dataset, open_store
 from gemmd.cli.output import Progress, json_text, num, pct, print_table
 from gemmd.errors import InputError
 from gemmd.files import file_identity
-from gemmd.store.file import SIDECARS
+from gemmd.store import SIDECARS
 
 # ------------------------------------------------------------------ fit, evaluate
 

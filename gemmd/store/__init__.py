@@ -6,6 +6,7 @@ logged per episode), ``queries`` (the reads, and the :class:`Store` they complet
 ``lock`` (one daemon per state directory).
 """
 
+from gemmd.store.file import SIDECARS
 from gemmd.store.lock import InstanceLock
 from gemmd.store.queries import Store, events_sql, sentinels_sql
 from gemmd.store.schema import (
@@ -17,4 +18,4 @@ from gemmd.store.schema import (
 )
 
 __all__ = ["DAEMON_SOURCE", "INTERVAL_COLUMNS", "REQUIRED_COLUMNS", "SCHEMA_VERSION",
-           "InstanceLock", "Store", "events_sql", "measured_by", "sentinels_sql"]
+           "SIDECARS", "InstanceLock", "Store", "events_sql", "measured_by", "sentinels_sql"]
