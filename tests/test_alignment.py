@@ -533,6 +533,31 @@ def test_each_target_keeps_its_own_recipes_flags_and_quantile():
         assert np.array_equal(alone[key], res["calibrated"]["power"][key])
 
 
+def test_trees_on_unaligned_probes_serve_their_loss_without_the_upward_widening():
+    """Trees on the probes learn an unaligned loss their probes measured (align_m/n/k
+    are features), as the calibrated prior's offset holds it: their rows at that
+    alignment or above keep no upward widening for a loss nobody measured, and stay
+    out of the domain (two such probes are no domain of theirs). (The H200's fp32 at
+    10 probes, served by trees, kept a 10x upper end on rows 1.1x off.) Probes all
+    aligned leave the widening on."""
+    prior = ForestModel.fit_table(gemms(A100, 300, 19), CFG)
+    test = gemms(H100, 30, 7, odd=True)  # 2 bytes, as the odd probes
+    up_by = {}
+    for name, probes in (("odd", features.concat([gemms(H100, 8, 5),
+                                                  gemms(H100, 2, 6, odd=True)])),
+                         ("aligned", gemms(H100, 10, 5))):
+        base = TransferModel.fit(prior, probes, CFG, select=False)
+        m = copy.copy(base)
+        m.few, m.probe_domain, m._flat = _fit_trees(probes, CFG, ["runtime"]), domain_record(
+            probes), {}
+        m.choice = dict(base.choice, runtime="few")
+        r = m.predict_table(test)["runtime"]
+        up_by[name] = np.log(r["hi"] / r["point"]) - np.log(r["point"] / r["lo"])
+        assert all("aligned to 2 B" in d for d in r["domain"]) and not r["in_domain"].any()
+    assert np.allclose(up_by["odd"], 0.0, atol=1e-6)
+    assert np.all(up_by["aligned"] > 0.1) and np.median(up_by["aligned"]) > 0.5
+
+
 def test_served_flags_are_each_targets_own_and_energy_joins_power_and_runtime():
     """served_flags: per target, the calibrated prior's flags where that target's recipe
     is the calibrated prior, the others elsewhere, and that target's quantile; energy

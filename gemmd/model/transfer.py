@@ -382,7 +382,10 @@ class TransferModel:
         for cal_ in (c for c in cals if c is not None):
             for target, dom in cal_.domain.items():
                 extra.setdefault(target, {})[cal_.gpu] = dom
-        flags = self.prior.target_flags(t, extra) if extra else flags0
+        # the trees' and the own forest's: their probes' domain, and no upward widening
+        # where those probes measured the loss (they learn it: the H200's fp32 at 10
+        # probes, served by trees, kept a 10x upper end on rows 1.1x off)
+        flags = probed_losses(t, cals, self.prior.target_flags(t, extra) if extra else flags0)
         # the calibrated prior: prior flags for unaligned shapes (losses probed), its pairs
         flags_prior = probed_losses(t, cals, self.prior.target_flags(t, prior_domain(
             extra)) if extra else flags0)
