@@ -203,26 +203,72 @@ def test_a_fleet_that_probed_unaligned_shapes_measures_what_they_cost():
     assert "align" not in default.meta.get("ood_sd", {}).get("runtime", {})
 
 
-def test_a_gpu_never_trained_on_is_widened_upward_whoever_ran_unaligned_shapes():
+def without_losses(model: ForestModel) -> ForestModel:
+    """``model`` with no "align_loss:DTYPE" measured (as one fitted before they were):
+    its unaligned points the aligned prediction."""
+    out = copy.copy(model)
+    out.meta = copy.deepcopy(model.meta)
+    for tau in out.meta["ood_sd"].values():
+        for k in [k for k in tau if k.startswith("align_loss:")]:
+            del tau[k]
+    return out
+
+
+def test_a_gpu_never_trained_on_is_widened_upward_whoever_ran_unaligned_shapes(tmp_path):
     """A GPU model the prior never saw is predicted by the transfer estimate, which
     carries no alignment even where another GPU model's unaligned rows of the dtype taught
-    the forest their cost: its unaligned shapes are out of the domain and widened upward
-    (before: taken as trained on; the H200's unaligned fp16 under the B200's rows were
-    4.6x slower than predicted and 8% covered). A GPU model trained aligned beside that
-    other one keeps both ends widened (the forest may carry the cost there)."""
+    the forest their cost: its unaligned shapes are out of the domain, their interval is
+    the aligned prediction's widened upward (before: taken as trained on; the H200's
+    unaligned fp16 under the B200's rows were 4.6x slower than predicted and 8% covered),
+    and their point takes the loss the other GPU model's unaligned rows of the dtype
+    took, held out at fit time, per unit of align_share (domain.align_loss). A GPU model
+    trained aligned beside that other one keeps both ends widened and its point (the
+    forest may carry the cost there); a dtype nobody ran unaligned takes no loss."""
     fleet = features.concat([gemms(A100, 300, 11), gemms(A100, 150, 12, odd=True),
                              gemms(H100, 300, 13)])
     model = ForestModel.fit_table(fleet, CFG)
+    loss = model.ood_sd("runtime")["align_loss:bf16"]
+    assert 0.5 < loss < np.log(SLOWER) / np.sqrt(0.76) * 1.5
+    assert model.ood_sd("energy")["align_loss:bf16"] == loss
     new = datasets.KNOWN_GPUS["b200"]
     odd = gemms(new, 200, 15, odd=True)
     res = model.predict_table(odd)["runtime"]
+    res0 = without_losses(model).predict_table(odd)["runtime"]
     assert all(r.endswith("M, N, K aligned to 2 B, trained on >= 16 B") for r in res["domain"])
-    up, down = np.log(res["hi"] / res["point"]), np.log(res["point"] / res["lo"])
+    for key in ("lo", "hi"):
+        assert np.array_equal(res[key], res0[key])
+    up, down = np.log(res0["hi"] / res0["point"]), np.log(res0["point"] / res0["lo"])
     assert np.all(up > down)
     fast = efficiency(odd) > np.median(efficiency(odd))  # nearer its peak: widened most
     assert np.median((up - down)[fast]) > 2 * np.median((up - down)[~fast])
     y = odd["runtime_s"]
     assert np.mean((res["lo"] <= y) & (y <= res["hi"])) >= 0.85
+    # the point: slowed by the loss per unit of share, less what the transfer setting's
+    # share of the forest's shape (which learnt the A100's loss) already carries
+    slowed = np.log(res["point"] / res0["point"])
+    a = model.transfer_setting()[1]
+    share = align_share(odd, np.log(res0["point"]))
+    assert a < 1.0 and np.allclose(slowed, loss * share * (1.0 - a), atol=1e-9)
+    assert np.all(slowed > 0) and np.median(slowed[fast]) > np.median(slowed[~fast])
+    # so does the calibrated prior of 20 probes of the new GPU, all aligned; the point
+    # stays inside the interval
+    probes = gemms(new, 20, 17)
+    cal, cal0 = (TransferModel.fit(prior, probes, CFG, select=False).predict_table(odd)[
+        "runtime"] for prior in (model, without_losses(model)))
+    assert np.all((cal["lo"] <= cal["point"]) & (cal["point"] <= cal["hi"]))
+    assert np.median(np.log(cal["point"] / cal0["point"])) > 0.05
+    # probes that measured the dtype's loss, at 8 bytes: their offset is the loss, also
+    # for the rows at 2 bytes they do not vouch for (widened upward still), not added
+    probes = features.concat([probes, at_8_bytes(gemms(new, 6, 18, odd=True), 2.0)])
+    cal, cal0 = (TransferModel.fit(prior, probes, CFG, select=False).predict_table(odd)[
+        "runtime"] for prior in (model, without_losses(model)))
+    assert np.array_equal(cal["point"], cal0["point"])
+    model.save(tmp_path / "m.skops")  # the loss is kept in the file
+    assert np.array_equal(ForestModel.load(tmp_path / "m.skops").predict_table(odd)[
+        "runtime"]["point"], res["point"])
+    fp16 = gemms(new, 20, 16, dtype="fp16", odd=True)  # no unaligned fp16 trained on
+    assert np.array_equal(model.predict_table(fp16)["runtime"]["point"],
+                          without_losses(model).predict_table(fp16)["runtime"]["point"])
     known = model.predict_table(gemms(H100, 50, 14, odd=True))["runtime"]
     assert np.allclose(np.log(known["hi"] / known["point"]),
                        np.log(known["point"] / known["lo"]), rtol=1e-6)

@@ -44,6 +44,7 @@ ALIGN_BYTES = 16
 ALIGN_MIN_ROWS = 10
 ALIGN_LOG2 = math.log2(ALIGN_BYTES)
 ALIGN_UPWARD = ("runtime", "energy")  # targets an unaligned GEMM only raises (align_widening)
+LOSS_MIN_SHARE = 0.25  # the least align_share a row's loss is read at (median_losses)
 
 # No interval narrower than this (log space, about +-0.8% at 90%): repeated GEMMs on a
 # GPU never agree better, whatever a noiseless training set suggests.
@@ -384,6 +385,48 @@ def upward(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
                                                      derived else tg], share) for tg in logs}
 
 
+def align_loss(t: Table, flags: Mapping[str, Mapping[str, Any]], tau_of: Any,
+               meta: Mapping[str, Any], share: np.ndarray | None, carried: Any
+               ) -> dict[str, np.ndarray]:
+    """result's ``loss`` for the runtime (and energy derived from it, ``meta``
+    "derived"): on the rows widened upward for a loss nobody probed (align_widening's),
+    the median loss the training data's held-out unaligned rows of the row's dtype took
+    per unit of align_share (``tau_of``'s "align_loss:DTYPE", _validate_align) times the
+    row's ``share``, less the part its point carries of the forest's shape (``carried``,
+    ForestModel.shape_carried; 0 where served by trees on aligned probes); none for a
+    dtype no GPU model was trained on unaligned. Only the point moves: the interval stays
+    the aligned prediction's, widened upward. The B200's unaligned fp16 rows, left out,
+    lost 1.8 in log per unit of share; the H200's fp16 points at 0 probes, with none of
+    it, were 46% off, with it 22% (bench/RESULTS.md, the twenty-first session)."""
+    if "runtime" not in flags:
+        return {}
+    tau = tau_of("runtime")
+    per = np.array([tau.get(f"align_loss:{d}", 0.0) for d in t["dtype"].astype(str)])
+    f = flags["runtime"]
+    up = f["align"] & ~f["align_seen"] & ~f["align_probed"]
+    if share is None or not (up & (per > 0)).any():
+        return {}
+    loss = np.where(up, per * share * (1.0 - np.asarray(carried)), 0.0)
+    derived = (meta.get("derived") or {}).get("energy") and "energy" in flags
+    return {"runtime": loss, **({"energy": loss} if derived else {})}
+
+
+def median_losses(t: Table, r: np.ndarray, share: np.ndarray, min_rows: int
+                  ) -> dict[str, float]:
+    """Per dtype of ``t`` with ``min_rows`` rows at an align_share of LOSS_MIN_SHARE or
+    more: "align_loss:DTYPE", the median of their log slowdown over the aligned
+    prediction (``r``) per unit of ``share``, at least 0 (unaligned data never speed a
+    GEMM up), at most 3. Rows nearer their launch are left out: they lose little, and
+    over a small share their error reads as a large loss."""
+    out: dict[str, float] = {}
+    dts = t["dtype"].astype(str)
+    for d in np.unique(dts):
+        s = (dts == d) & (share >= LOSS_MIN_SHARE) & np.isfinite(r)
+        if s.sum() >= min_rows:
+            out[f"align_loss:{d}"] = float(np.clip(np.median(r[s] / share[s]), 0.0, 3.0))
+    return out
+
+
 def shares(t: Table, logs: Mapping[str, tuple[np.ndarray, Any]]) -> np.ndarray | None:
     """align_share of ``t``'s rows at ``logs``' runtime (None without one)."""
     run = logs.get("runtime", (None,))[0]
@@ -497,16 +540,19 @@ def align_both_ways(target: str, tau: Mapping[str, float], flags: Mapping[str, A
 def result(logs: Mapping[str, tuple[np.ndarray, np.ndarray]],
            flags: Mapping[str, Mapping[str, Any]],
            z: float | np.ndarray | Mapping[str, np.ndarray],
-           up: Mapping[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
+           up: Mapping[str, np.ndarray] | None = None,
+           loss: Mapping[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
     """predict_table's answer from log points and sds and each target's domain flags
     (``flags[target]``): z may be one value, per row, or per target and row; ``up``, per
-    target, a log sd added to the upper end alone (align_widening)."""
-    up = up or {}
+    target, a log sd added to the upper end alone (align_widening); ``loss``, per target,
+    a log slowdown of the point alone (align_loss), inside the interval."""
+    up, loss = up or {}, loss or {}
     out = {}
     for target, (mu, sd) in logs.items():
         zt = z[target] if isinstance(z, Mapping) else z
-        out[target] = {"point": np.exp(mu), "lo": np.exp(mu - zt * sd),
-                       "hi": np.exp(mu + zt * np.hypot(sd, up.get(target, 0.0))), "sigma": sd,
+        top = zt * np.hypot(sd, up.get(target, 0.0))
+        out[target] = {"point": np.exp(mu + np.minimum(loss.get(target, 0.0), top)),
+                       "lo": np.exp(mu - zt * sd), "hi": np.exp(mu + top), "sigma": sd,
                        "in_domain": flags[target]["in_domain"],
                        "domain": flags[target]["reason"]}
     return out

@@ -30,6 +30,7 @@ from gemmd.model.domain import (
     MIN_SD,
     OOD_SD,
     _reference_shapes,
+    align_loss,
     domain_flags,
     domain_record,
     flags_both,
@@ -246,7 +247,9 @@ class ForestModel:
                                       share=share))
         logs = self._with_energy(logs, t)
         per = {tg: flags.get(tg, flags["runtime"]) for tg in logs}
-        out = result(logs, per, self.z, upward(logs, per, self.ood_sd, self.meta, share))
+        out = result(logs, per, self.z, upward(logs, per, self.ood_sd, self.meta, share),
+                     align_loss(t, per, self.ood_sd, self.meta, share,
+                                self.shape_carried(t, flags["runtime"])))
         bounds.clip(out, t)
         return out
 
@@ -350,20 +353,35 @@ class ForestModel:
         todo = flags["gpu"] & ~flags["kernel"]
         if not todo.any():
             return mu
-        w0, a0 = self.transfer_setting()
-        w, a = np.full(len(t), w0), np.full(len(t), a0)
-        # per GPU model, a setting its own probes chose (choosing.carried)
-        by = ((self.meta.get("logo") or {}).get("runtime") or {}).get("by_gpu") or {}
-        if by:
-            keys = _row_gpu_keys(t)
-            for key, (wk, ak) in by.items():
-                w[keys == key], a[keys == key] = wk, ak
+        w, a = self._settings(t)
         eff = float(self.meta.get("roofline_efficiency", 0.7))
         level = self.forest_levels(t, todo)
         ref = np.log(runtime_reference(t))
         z = np.where(todo, mu - ref - level, 0.0)
         carried = ref + (1.0 - w) * math.log(1.0 / eff) + w * level + a * z
         return np.where(todo, carried, mu)
+
+    def _settings(self, t: Table) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, the (w, a) transfer_runtime carries an unknown GPU's runtime with:
+        transfer_setting, or on a GPU model its probes chose another for
+        (choosing.carried), that one."""
+        w0, a0 = self.transfer_setting()
+        w, a = np.full(len(t), w0), np.full(len(t), a0)
+        by = ((self.meta.get("logo") or {}).get("runtime") or {}).get("by_gpu") or {}
+        if by:
+            keys = _row_gpu_keys(t)
+            for key, (wk, ak) in by.items():
+                w[keys == key], a[keys == key] = wk, ak
+        return w, a
+
+    def shape_carried(self, t: Table, flags: Mapping[str, Any]) -> np.ndarray:
+        """Per row, the weight of the forest's shape dependence in its runtime point
+        (prior_logs, ``flags`` its runtime flags): all of it on a GPU model it was
+        trained on, a transfer setting's "a" on one it never saw (transfer_runtime), none
+        on a kernel it never ran (_fallback): how much of what unaligned rows of other
+        GPU models taught the forest the point already holds (domain.align_loss)."""
+        return np.where(flags["kernel"], 0.0, np.where(flags["gpu"], self._settings(t)[1],
+                                                       1.0))
 
     def raw_logs(self, t: Table, scaled: bool = True
                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -5,7 +5,7 @@ fit-time validation both compute."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +177,14 @@ class DeviceCalibration:
         return self.level.get(target, 0.0) + self.groups.get(target, {}).get(group, 0.0) + (
             float(aligned_loss(ca, work)) if ca else 0.0) + (
             float(aligned_loss(dl, share)) if dl else 0.0)
+
+    @staticmethod
+    def measured(t: Table, cals: Sequence[DeviceCalibration | None]) -> np.ndarray:
+        """Per row of ``t`` (``cals`` by device index): its device's probes measured its
+        dtype's unaligned runtime loss (align_offset), which then stands for the loss the
+        prior's training data measured (domain.align_loss)."""
+        return np.array([c is not None and d in c.align_offset.get("runtime", {}) for c, d in
+                         zip([cals[j] for j in t.device], t["dtype"].astype(str))], dtype=bool)
 
     def loss_variance(self, target: str, dtype: str, work: float) -> float:
         """The variance an unaligned row (``work``: its work share, 0 where aligned) adds

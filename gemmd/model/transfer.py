@@ -22,6 +22,7 @@ from gemmd.model.calibration import _calibrated_logs, calibrate, probed_losses, 
 from gemmd.model.choosing import _select, held_devices, other_settings, served, setting_name
 from gemmd.model.domain import (
     MIN_SD,
+    align_loss,
     beyond_widening,
     domain_flags,
     domain_record,
@@ -382,9 +383,8 @@ class TransferModel:
         for cal_ in (c for c in cals if c is not None):
             for target, dom in cal_.domain.items():
                 extra.setdefault(target, {})[cal_.gpu] = dom
-        # the trees' and the own forest's: their probes' domain, and no upward widening
-        # where those probes measured the loss (they learn it: the H200's fp32 at 10
-        # probes, served by trees, kept a 10x upper end on rows 1.1x off)
+        # the trees' and own forest's: no upward widening where their probes measured the
+        # loss (they learn it: the H200's fp32 at 10 probes kept a 10x upper end, 1.1x off)
         flags = probed_losses(t, cals, self.prior.target_flags(t, extra) if extra else flags0)
         # the calibrated prior: prior flags for unaligned shapes (losses probed), its pairs
         flags_prior = probed_losses(t, cals, self.prior.target_flags(t, prior_domain(
@@ -504,8 +504,16 @@ class TransferModel:
             (lp, sp), (lr, sr) = out["power"], out["runtime"]
             out["energy"] = (lp + lr, np.hypot(sp, sr))
         per, z = served_flags(out, on_prior, zrows, flags_prior, flags)
+        aligned = shares(t, out)
+        # the prior's unaligned loss, on the point alone, where no probe of the device
+        # measured its dtype's (its offset is that loss: measured at 8 bytes it stands for
+        # 2 too); in full on trees on aligned probes, which carry none of it
+        lost = DeviceCalibration.measured(t, cals)
+        carried = np.where(lost, 1.0, np.where(has & ~on_prior.get("runtime", has), 0.0,
+                                               self.prior.shape_carried(t, flags0["runtime"])))
         res = result(out, per, z, upward(out, per, self.prior.ood_sd, self.prior.meta,
-                                         shares(t, out)))
+                                         aligned),
+                     align_loss(t, per, self.prior.ood_sd, self.prior.meta, aligned, carried))
         bounds.clip(res, t)
         return res
 

@@ -26,6 +26,7 @@ from gemmd.model.domain import (
     align_share,
     domain_flags,
     domain_record,
+    median_losses,
     widen,
     work_share,
 )
@@ -241,11 +242,10 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     """The runtime's "align" spread (domain.align_widening), where the training data
     hold GPU models and dtypes with both aligned and unaligned rows (LOGO_MIN_ROWS each):
     their unaligned rows held out, a forest fitted on the rest, and what the upper end of
-    each held-out row's interval needs to hold it, per unit of its align_share: the
-    conformal quantile at the nominal share; "align_work" the same per unit of
-    work_share (a calibration's unaligned offset's prior spread). A fleet whose
-    exploration probed unaligned shapes thus measures, for a GPU or dtype whose probes
-    were all aligned, what its own GPUs lost. None without such data."""
+    each held-out row's interval needs to hold it, per unit of its align_share (the
+    conformal quantile at the nominal share); "align_work" the same per unit of work_share
+    (a calibration's offset's prior spread); "align_loss:DTYPE" their median loss
+    (median_losses): what unaligned shapes cost where probes were aligned. None if no data."""
     ok = np.isfinite(y)
     low = unaligned(t)
     keys = np.char.add(_row_gpu_keys(t).astype(str), np.char.add("/", t["dtype"].astype(str)))
@@ -262,7 +262,7 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     mu, sd = fold.raw_logs(te, scaled=False)["runtime"]
     mu = _clip_logs("runtime", te, mu)
     r = np.log(te["runtime_s"]) - mu
-    out_: dict[str, float] = {}
+    out_ = median_losses(te, r, align_share(te, mu), LOGO_MIN_ROWS)
     for name, share in (("align", align_share(te, mu)), ("align_work", work_share(mu))):
         need = np.where(r > 0, _need(r, sd * scale, z, np.maximum(share, 1e-3)), 0.0)
         out_[name] = float(np.clip(conformal_quantile(need[np.isfinite(need)], cfg.interval),
