@@ -257,6 +257,16 @@ def test_a_gpu_never_trained_on_is_widened_upward_whoever_ran_unaligned_shapes(t
         "runtime"] for prior in (model, without_losses(model)))
     assert np.all((cal["lo"] <= cal["point"]) & (cal["point"] <= cal["hi"]))
     assert np.median(np.log(cal["point"] / cal0["point"])) > 0.05
+    # trees on those aligned probes carry none of the loss: all of it on their point
+    trees = copy.copy(TransferModel.fit(model, probes, CFG, select=False))
+    trees.few, trees.probe_domain, trees._flat = _fit_trees(probes, CFG, ["runtime"]), \
+        domain_record(probes), {}
+    trees.choice = dict(trees.choice, runtime="few")
+    trees0 = copy.copy(trees)
+    trees0.prior = without_losses(model)
+    r, r0 = trees.predict_table(odd)["runtime"], trees0.predict_table(odd)["runtime"]
+    assert np.allclose(np.log(r["point"] / r0["point"]),
+                       loss * align_share(odd, np.log(r0["point"])), atol=1e-9)
     # probes that measured the dtype's loss, at 8 bytes: their offset is the loss, also
     # for the rows at 2 bytes they do not vouch for (widened upward still), not added
     probes = features.concat([probes, at_8_bytes(gemms(new, 6, 18, odd=True), 2.0)])
