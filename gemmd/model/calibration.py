@@ -313,26 +313,27 @@ def _calibrated_logs(prior: ForestModel, cals: Mapping[str, DeviceCalibration], 
 
 
 def probed_losses(t: Table, cals: Sequence[DeviceCalibration | None],
-                  flags: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The calibrated prior's domain flags (``flags``, per target) with "align_probed"
-    set on the unaligned rows of a target of ALIGN_UPWARD whose dtype's loss the row's
-    device's probes measured (``cals`` by device index), half of them at the row's
-    alignment or below it (align_least: a loss measured at 8 bytes says little of 2):
-    their offset holds that loss and their variance its uncertainty
+                  *flag_sets: Mapping[str, Mapping[str, Any]]
+                  ) -> list[dict[str, dict[str, Any]]]:
+    """Each of ``flag_sets`` (domain flags per target: the calibrated prior's, the
+    trees') with "align_probed" set on the unaligned rows of a target of ALIGN_UPWARD
+    whose dtype's loss the row's device's probes measured (``cals`` by device index),
+    half of them at the row's alignment or below it (align_least: a loss measured at 8
+    bytes says little of 2): their offset holds that loss and their variance its uncertainty
     (DeviceCalibration.loss_variance), so their interval is not widened upward as if the
     loss were unknown (domain.align_widening; on the H200's random shapes at 5 probes,
     with one unaligned probe of the dtype or more, the upper ends sat 1.4-1.7 in log
     above the point and held every row, the lower ends missed up to 37%). Still outside
     the domain: one offset per dtype."""
     un, dts, al = unaligned(t), t["dtype"].astype(str), align_log2(t)
-    out = {}
-    for target, f in flags.items():
+    probed: dict[str, np.ndarray] = {}  # per target, whichever set asks
+    for target in {tg for flags in flag_sets for tg in flags}:
         least = {i: c.align_least.get(target, {}) for i, c in enumerate(cals) if c}
-        probed = np.array([bool(u) and target in ALIGN_UPWARD and int(d) in least and
-                           a >= least[int(d)].get(dt, np.inf)
-                           for u, dt, d, a in zip(un, dts, t.device, al)])
-        out[target] = dict(f, align_probed=probed)
-    return out
+        probed[target] = np.array([bool(u) and target in ALIGN_UPWARD and int(d) in least
+                                   and a >= least[int(d)].get(dt, np.inf)
+                                   for u, dt, d, a in zip(un, dts, t.device, al)])
+    return [{tg: dict(f, align_probed=probed[tg]) for tg, f in flags.items()}
+            for flags in flag_sets]
 
 
 def with_probe_sources(t: Table, cals: Sequence[DeviceCalibration | None]) -> Table:

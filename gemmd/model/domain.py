@@ -337,10 +337,17 @@ def align_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, An
     ``share`` (align_share, per row). Not where other GPU
     models were trained at that alignment ("align_seen": the forest may have carried
     their loss, too much or too little) nor for other targets: widen widens both ends."""
-    up = flags["align"] & ~flags["align_seen"] & ~flags["align_probed"]
+    up = unprobed_loss(flags)
     if target not in ALIGN_UPWARD or share is None or not up.any():
         return np.zeros(len(up))
     return np.where(up, _align_spread(target, tau, share), 0.0)
+
+
+def unprobed_loss(flags: Mapping[str, Any]) -> np.ndarray:
+    """Per row (``flags``, one target's): aligned below the trained, at an alignment no
+    GPU model was trained at, its loss not probed: what align_widening widens upward and
+    align_loss slows."""
+    return flags["align"] & ~flags["align_seen"] & ~flags["align_probed"]
 
 
 def beyond_widening(target: str, tau: Mapping[str, float], flags: Mapping[str, Any],
@@ -402,8 +409,7 @@ def align_loss(t: Table, flags: Mapping[str, Mapping[str, Any]], tau_of: Any,
         return {}
     tau = tau_of("runtime")
     per = np.array([tau.get(f"align_loss:{d}", 0.0) for d in t["dtype"].astype(str)])
-    f = flags["runtime"]
-    up = f["align"] & ~f["align_seen"] & ~f["align_probed"]
+    up = unprobed_loss(flags["runtime"])
     if share is None or not (up & (per > 0)).any():
         return {}
     loss = np.where(up, per * share * (1.0 - np.asarray(carried)), 0.0)

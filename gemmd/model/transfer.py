@@ -383,12 +383,12 @@ class TransferModel:
         for cal_ in (c for c in cals if c is not None):
             for target, dom in cal_.domain.items():
                 extra.setdefault(target, {})[cal_.gpu] = dom
-        # the trees' and own forest's: no upward widening where their probes measured the
-        # loss (they learn it: the H200's fp32 at 10 probes kept a 10x upper end, 1.1x off)
-        flags = probed_losses(t, cals, self.prior.target_flags(t, extra) if extra else flags0)
-        # the calibrated prior: prior flags for unaligned shapes (losses probed), its pairs
-        flags_prior = probed_losses(t, cals, self.prior.target_flags(t, prior_domain(
-            extra)) if extra else flags0)
+        # the trees' and own forest's flags: no upward widening where their probes measured
+        # the loss (they learn it: the H200's fp32 at 10 probes kept a 10x upper end, 1.1x
+        # off); the calibrated prior's: prior flags for unaligned shapes, its pairs
+        trees_f = self.prior.target_flags(t, extra) if extra else flags0
+        prior_f = self.prior.target_flags(t, prior_domain(extra)) if extra else flags0
+        flags, flags_prior = probed_losses(t, cals, trees_f, prior_f)
         on_prior: dict[str, np.ndarray] = {}  # per target: the calibrated prior's rows
         zrows: dict[str, np.ndarray] = {}  # per target: each row's interval quantile
         groups, work, share = _groups(t), unaligned_work(t, logs), launch_share(t, logs)

@@ -262,8 +262,8 @@ def _validate_align(t: Table, X: np.ndarray, gid: np.ndarray, y: np.ndarray, sig
     mu, sd = fold.raw_logs(te, scaled=False)["runtime"]
     mu = _clip_logs("runtime", te, mu)
     r = np.log(te["runtime_s"]) - mu
-    out_ = median_losses(te, r, align_share(te, mu), LOGO_MIN_ROWS)
-    for name, share in (("align", align_share(te, mu)), ("align_work", work_share(mu))):
+    out_ = median_losses(te, r, (aligned := align_share(te, mu)), LOGO_MIN_ROWS)
+    for name, share in (("align", aligned), ("align_work", work_share(mu))):
         need = np.where(r > 0, _need(r, sd * scale, z, np.maximum(share, 1e-3)), 0.0)
         out_[name] = float(np.clip(conformal_quantile(need[np.isfinite(need)], cfg.interval),
                                    SIZE_SD_FLOOR, 3.0))
